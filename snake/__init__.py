@@ -1,0 +1,17 @@
+"""snake: train LLMs bigger than GPU memory by streaming them through the GPU layer by layer."""
+
+from snake.config import AdamW, Placement, SnakeConfig, tiny_cpu
+from snake.errors import ActorFailed, ConfigError, DataError, ModelError, SnakeError, StorageError
+
+__all__ = [
+    "AdamW",
+    "ActorFailed",
+    "ConfigError",
+    "DataError",
+    "ModelError",
+    "Placement",
+    "SnakeConfig",
+    "SnakeError",
+    "StorageError",
+    "tiny_cpu",
+]

@@ -1,0 +1,161 @@
+"""Configuration: frozen dataclasses validated on construction.
+
+`None` in `micro_batches`, `placement` or `alpha` means "the planner chooses"; the trainer
+resolves it with `dataclasses.replace` before any actor starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from snake.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("vertical", "horizontal")
+Dtype = Literal["float32", "bfloat16", "float16"]
+Schedule = Literal["vertical", "horizontal"]
+
+
+def _share(name: str, value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(name, value, "must be a number in [0, 1]", "CPU share; the rest goes to SSD")
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(name, value, "must be in [0, 1]", "CPU share; the rest goes to SSD")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """CPU-memory share of each offloaded kind, in [0, 1]; the rest lives on SSD.
+
+    param: compute-dtype layer parameters. ckpt: per-layer input activation checkpoints.
+    opt: fp32 master weights plus Adam m and v. Gradients always go to CPU memory.
+    """
+
+    param: float = 1.0
+    ckpt: float = 1.0
+    opt: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("param", "ckpt", "opt"):
+            _share(f"placement.{name}", getattr(self, name))
+
+    @classmethod
+    def all_cpu(cls) -> Placement:
+        return cls(param=1.0, ckpt=1.0, opt=1.0)
+
+    @classmethod
+    def all_ssd(cls) -> Placement:
+        return cls(param=0.0, ckpt=0.0, opt=0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdamW:
+    """AdamW with the semantics (and defaults) of `torch.optim.AdamW`."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr >= 0):
+            raise ConfigError("optimizer.lr", self.lr, "must be a finite number >= 0")
+        if (
+            not isinstance(self.betas, tuple | list)
+            or len(self.betas) != 2
+            or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in self.betas)
+        ):
+            raise ConfigError("optimizer.betas", self.betas, "must be two numbers in [0, 1)")
+        if not (isinstance(self.eps, int | float) and self.eps > 0):
+            raise ConfigError("optimizer.eps", self.eps, "must be > 0")
+        if not (isinstance(self.weight_decay, int | float) and self.weight_decay >= 0):
+            raise ConfigError("optimizer.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnakeConfig:
+    """Everything a training run needs besides the model and the data.
+
+    micro_batches: M, micro-batches per iteration; a global batch is split along dim 0.
+    offload_dir: directory of the SSD tier (created with mode 0700).
+    placement: CPU share of param / ckpt / opt; None: the planner chooses.
+    alpha: fraction of each layer's optimizer step delayed into the next forward, in [0, 1);
+        None: the planner chooses.
+    dtype: compute dtype; master weights and gradient accumulation are fp32.
+    device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
+    schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
+    cpu_memory_bytes / device_memory_bytes: budgets; None: what the machine has.
+    ssd_bandwidth_bytes_per_s: cap on SSD reads+writes (token bucket), for experiments.
+    loss_scale: static loss scale used with float16 (ignored otherwise).
+    optimizer_workers: CPU optimizer threads (one actor each).
+    io_threads: threads doing blocking SSD reads and writes.
+    """
+
+    micro_batches: int | None = 1
+    offload_dir: str | Path
+    placement: Placement | None = field(default_factory=Placement)
+    alpha: float | None = 0.0
+    optimizer: AdamW = field(default_factory=AdamW)
+    dtype: Dtype = "float32"
+    device: str | None = None
+    schedule: Schedule = "vertical"
+    seed: int = 0
+    cpu_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None
+    ssd_bandwidth_bytes_per_s: float | None = None
+    loss_scale: float = 1024.0
+    optimizer_workers: int = 2
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        m = self.micro_batches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ConfigError("micro_batches", m, "must be an integer >= 1", "None lets the planner choose")
+        if not isinstance(self.offload_dir, str | Path) or str(self.offload_dir) == "":
+            raise ConfigError("offload_dir", self.offload_dir, "must be a directory path", "pass a path on a local SSD")
+        if self.placement is not None and not isinstance(self.placement, Placement):
+            raise ConfigError("placement", self.placement, "must be a snake.Placement or None")
+        a = self.alpha
+        if a is not None and (
+            not isinstance(a, int | float) or isinstance(a, bool) or not math.isfinite(a) or not 0.0 <= a < 1.0
+        ):
+            raise ConfigError("alpha", a, "must be in [0, 1)", "delayed share of the optimizer step; None lets the planner choose")
+        if not isinstance(self.optimizer, AdamW):
+            raise ConfigError("optimizer", self.optimizer, "must be a snake.AdamW")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("schedule", self.schedule, f"must be one of {SCHEDULES}")
+        if self.device is not None:
+            d = self.device
+            if not isinstance(d, str) or not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+                raise ConfigError("device", d, "must be 'cpu', 'cuda' or 'cuda:N'", "None picks CUDA if present, else CPU")
+        if not isinstance(self.seed, int):
+            raise ConfigError("seed", self.seed, "must be an integer")
+        for name in ("cpu_memory_bytes", "device_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ConfigError(name, v, "must be a positive number of bytes or None")
+        bw = self.ssd_bandwidth_bytes_per_s
+        if bw is not None and (not isinstance(bw, int | float) or not bw > 0):
+            raise ConfigError("ssd_bandwidth_bytes_per_s", bw, "must be > 0 bytes/s or None (no cap)")
+        if not (isinstance(self.loss_scale, int | float) and self.loss_scale > 0):
+            raise ConfigError("loss_scale", self.loss_scale, "must be > 0")
+        for name in ("optimizer_workers", "io_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(name, v, "must be an integer >= 1")
+
+
+def tiny_cpu(offload_dir: str | Path) -> SnakeConfig:
+    """A preset for a quick CPU run: 2 micro-batches, half of everything on SSD."""
+    return SnakeConfig(
+        micro_batches=2,
+        offload_dir=offload_dir,
+        placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+        alpha=0.25,
+        optimizer=AdamW(lr=3e-4, weight_decay=0.1),
+    )

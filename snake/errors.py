@@ -1,0 +1,62 @@
+"""Documented exceptions raised by snake. Every message names what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class SnakeError(Exception):
+    """Base class of every error snake raises on purpose."""
+
+
+class ConfigError(SnakeError, ValueError):
+    """A configuration field has a bad value. The message names the field, the value,
+    the rule and the fix. Raised before any state is touched."""
+
+    def __init__(self, field: str, value: object, rule: str, fix: str = "") -> None:
+        self.field = field
+        self.value = value
+        msg = f"{field}={value!r} {rule}"
+        if fix:
+            msg += f" ({fix})"
+        super().__init__(msg)
+
+
+class DataError(SnakeError, ValueError):
+    """A batch from `data` has the wrong type, shape, dtype or values."""
+
+
+class ModelError(SnakeError, TypeError):
+    """The model cannot be split into resident pre/post parts and uniform blocks."""
+
+
+class StorageError(SnakeError, OSError):
+    """The SSD tier failed: the message names the file, the offset and the operation."""
+
+
+class ActorFailed(SnakeError, RuntimeError):
+    """An actor of the runtime raised. `__cause__` holds the original exception.
+
+    Attributes name where it happened: the actor (`compute`, `ssd_read`, `optimizer[1]`),
+    and when known the iteration, layer and micro-batch it was working on."""
+
+    def __init__(
+        self,
+        actor: str,
+        cause: BaseException,
+        *,
+        iteration: int | None = None,
+        layer: int | None = None,
+        micro_batch: int | None = None,
+    ) -> None:
+        self.actor = actor
+        self.iteration = iteration
+        self.layer = layer
+        self.micro_batch = micro_batch
+        where = ", ".join(
+            f"{k}={v}"
+            for k, v in (("iteration", iteration), ("layer", layer), ("micro_batch", micro_batch))
+            if v is not None
+        )
+        super().__init__(
+            f"actor {actor!r} failed{' at ' + where if where else ''}: "
+            f"{type(cause).__name__}: {cause}"
+        )

@@ -1,0 +1,50 @@
+"""kvikio (GPUDirect Storage) backend. Used only when CUDA and the CUDA driver are present:
+kvikio imports without them but every transfer then fails, even in compat mode."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from snake.errors import StorageError
+
+
+def kvikio_usable() -> bool:
+    """kvikio imports and a CUDA driver (libcuda) is loadable."""
+    from snake.device import cuda_driver_present
+
+    if not cuda_driver_present():
+        return False
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class KvikioFile:
+    def __init__(self, path: Path, nbytes: int) -> None:
+        import kvikio
+
+        self.path = Path(path)
+        self.backend = "kvikio"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if nbytes > 0:
+                os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+        self._f = kvikio.CuFile(self.path, "r+")
+
+    def pread(self, buf: memoryview, offset: int) -> None:
+        n = self._f.pread(buf, len(buf), offset).get()
+        if n != len(buf):
+            raise StorageError(5, f"short read from {self.path} at {offset}: {n} of {len(buf)}")
+
+    def pwrite(self, buf: memoryview, offset: int) -> None:
+        n = self._f.pwrite(buf, len(buf), offset).get()
+        if n != len(buf):
+            raise StorageError(5, f"short write to {self.path} at {offset}: {n} of {len(buf)}")
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,109 @@
+"""How much host memory the runtime allocates, as a function of the placement shares.
+
+The runtime sizes its stores and buffer pools with exactly these numbers (see
+`snake/stores.py`), and the planner's LP uses the same linear model: host bytes =
+fixed + sum over kinds of per_share[kind] * placement.<kind>. Tail staging buffers shrink
+as a kind moves to CPU, so some coefficients are negative parts folded into fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snake.io.base import ALIGN
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPT_BYTES_PER_ELEM = 12  # fp32 master + Adam m + v
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """What the memory and time models need to know about a model.
+
+    layer_params: elements of one block. ckpt_elems: elements of one block's input for one
+    micro-batch (batch x seq x hidden). resident_params: pre/post elements (embeddings, head).
+    tokens_per_micro: target tokens of one micro-batch."""
+
+    n_layers: int
+    layer_params: int
+    ckpt_elems: int
+    resident_params: int
+    tokens_per_micro: int
+    dtype_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """Buffer counts of the runtime's fixed pools."""
+
+    param_tails: int = 3
+    ckpt_tails_extra: int = 2  # ckpt tail buffers = micro_batches + this
+    opt_tails_extra: int = 1  # opt tail buffers = optimizer workers + this
+    grad_buffers: int = 2  # vertical: whole-layer fp32 gradient buffers in flight
+    device_param_slots: int = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinearMemory:
+    fixed_bytes: float
+    per_share: dict[str, float]
+
+    def at(self, param: float, ckpt: float, opt: float) -> float:
+        s = {"param": param, "ckpt": ckpt, "opt": opt}
+        return self.fixed_bytes + sum(self.per_share[k] * s[k] for k in s)
+
+
+def host_memory(
+    shape: ModelShape,
+    *,
+    n_micro: int,
+    alpha: float,
+    schedule: str,
+    workers: int,
+    pools: PoolSizes = PoolSizes(),
+) -> LinearMemory:
+    """Host bytes the runtime holds for a placement, linear in the CPU shares.
+
+    Per kind: the CPU-resident heads (share x total) plus tail staging buffers sized for the
+    SSD share ((1 - share) x unit, times the pool count). Plus kinds that always live in CPU
+    memory: inter-layer gradients, gradients (vertical: a few whole-layer buffers and the
+    delayed alpha share of every layer; horizontal: one fp32 accumulator per layer), and the
+    resident pre/post optimizer state. Page padding of tails is ignored (< ALIGN per buffer)."""
+    n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
+    param_total = n * p * db
+    ckpt_total = n * n_micro * c * db
+    opt_total = n * p * OPT_BYTES_PER_ELEM
+    param_unit = p * db
+    ckpt_unit = c * db
+    opt_unit = p * OPT_BYTES_PER_ELEM
+    param_pool = pools.param_tails + workers  # loads + optimizer write-back
+    ckpt_pool = n_micro + pools.ckpt_tails_extra
+    opt_pool = workers + pools.opt_tails_extra
+    per_share = {
+        "param": param_total - param_pool * param_unit,
+        "ckpt": ckpt_total - ckpt_pool * ckpt_unit,
+        "opt": opt_total - opt_pool * opt_unit,
+    }
+    tails = param_pool * param_unit + ckpt_pool * ckpt_unit + opt_pool * opt_unit
+    act_grads = n * n_micro * c * db
+    if schedule == "vertical":
+        grads = pools.grad_buffers * p * 4 + alpha * n * p * 4
+    else:
+        grads = n * p * 4
+    resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
+    fixed = tails + act_grads + grads + resident + 16 * ALIGN
+    return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
+
+
+def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSizes()) -> float:
+    """Device bytes: parameter slots, one fp32 gradient accumulator, resident pre/post with
+    fp32 gradients, and a working set of a few micro-batches' activations (block internals
+    are ~ 16 x the block input for a GPT block during recompute+backward)."""
+    p, c, db = shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
+    return float(
+        pools.device_param_slots * p * db
+        + 2 * p * 4
+        + shape.resident_params * (db + 4)
+        + (n_micro + 4) * c * db
+        + 16 * c * 4
+    )
