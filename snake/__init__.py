@@ -1,7 +1,9 @@
 """snake: train LLMs bigger than GPU memory by streaming them through the GPU layer by layer."""
 
+from snake.adapters import ModelParts
 from snake.config import AdamW, Placement, SnakeConfig, tiny_cpu
 from snake.errors import ActorFailed, ConfigError, DataError, ModelError, SnakeError, StorageError
+from snake.trainer import RunReport, SnakeTrainer
 
 __all__ = [
     "AdamW",
@@ -9,6 +11,9 @@ __all__ = [
     "ConfigError",
     "DataError",
     "ModelError",
+    "ModelParts",
+    "RunReport",
+    "SnakeTrainer",
     "Placement",
     "SnakeConfig",
     "SnakeError",

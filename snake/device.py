@@ -53,3 +53,24 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's current stream. Call only off the event loop."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class Copier:
+    """Host <-> device copies for the device mover: on CUDA on its own stream (so they
+    overlap compute), waited for on the mover's executor thread; on CPU plain copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Blocking: dst.copy_(src) for each (dst, src) pair."""
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        # outputs of compute were synchronized by the compute actor before they were sent
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        self.stream.synchronize()

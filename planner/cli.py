@@ -1,0 +1,149 @@
+"""`snake plan`: measure the machine (cached), search a plan, print it.
+
+    snake plan --model gpt:n_layer=24,n_embd=2048,n_head=16,vocab_size=50304,block_size=1024 \\
+        --micro-batch-size 4 --cpu-memory 8GiB --offload-dir /ssd/snake [--json] [--plot r.png]
+
+Exit status: 0 with a plan, 2 when no configuration fits (the reason on stderr) or the
+arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+
+from planner.profile import MachineProfile, measure_profile
+from planner.roofline import plot_roofline, roofline
+from planner.search import search
+from planner.solve import Infeasible, Plan, predict_horizontal
+from snake.models.gpt import GPTConfig
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*(?:/s)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> float:
+    """'8GiB' -> 8 * 2**30, '500MB' -> 5e8, '500MB/s' -> 5e8, '1024' -> 1024 (bytes)."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8GiB, 500MB or 1024")
+    return float(m.group(1)) * _UNITS[unit]
+
+
+def parse_model(text: str) -> GPTConfig:
+    """'gpt:n_layer=4,n_embd=128' -> GPTConfig(n_layer=4, n_embd=128, ...)."""
+    kind, _, rest = text.partition(":")
+    if kind != "gpt":
+        raise argparse.ArgumentTypeError(f"model {kind!r}: only 'gpt:key=value,...' is known")
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+    kw: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise argparse.ArgumentTypeError(f"model field {key!r} is not one of {sorted(fields)}")
+        conv = {"float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(fields[key], int)
+        try:
+            kw[key] = conv(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"model field {key}={value!r}: {e}") from e
+    try:
+        return GPTConfig(**kw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snake plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=parse_model, required=True, help="gpt:n_layer=..,n_embd=..,...")
+    p.add_argument("--micro-batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block_size")
+    p.add_argument("--cpu-memory", type=parse_size, default=None, help="host budget; default: available")
+    p.add_argument("--device-memory", type=parse_size, default=None)
+    p.add_argument("--offload-dir", required=True, help="SSD tier directory (probe and cache)")
+    p.add_argument("--ssd-bandwidth", type=parse_size, default=None, help="cap, bytes/s (reads+writes)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--schedule", default="vertical", choices=("vertical", "horizontal"))
+    p.add_argument("--max-micro-batches", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, help="save the roofline plot to this image file")
+    p.add_argument("--remeasure", action="store_true", help="ignore the cached profile")
+    return p
+
+
+def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) -> dict:
+    pl = plan.placement
+    return {
+        "schedule": plan.schedule,
+        "micro_batches": plan.n_micro,
+        "alpha": plan.alpha,
+        "placement": {"param": pl.param, "ckpt": pl.ckpt, "opt": pl.opt},
+        "predicted_iteration_seconds": plan.predicted_iteration_seconds,
+        "predicted_tokens_per_s": plan.predicted_tokens_per_s,
+        "binding": list(plan.binding),
+        "layer_seconds": plan.layer_seconds,
+        "host_memory_bytes": plan.host_memory_bytes,
+        "ssd_bytes_per_iteration": plan.ssd_bytes_per_iteration,
+        "horizontal_iteration_seconds_same_placement": horizontal_seconds,
+        "profile": profile.to_json(),
+    }
+
+
+def format_table(d: dict) -> str:
+    p, prof = d["placement"], d["profile"]
+    gib, rows = 2.0**30, []
+    rows += [
+        ("schedule", d["schedule"]),
+        ("micro-batches", str(d["micro_batches"])),
+        ("alpha (delayed step)", f"{d['alpha']:.2f}"),
+        ("CPU share", f"param {p['param']:.1%}  ckpt {p['ckpt']:.1%}  opt {p['opt']:.1%}"),
+        ("iteration", f"{d['predicted_iteration_seconds']:.4g} s"),
+        ("throughput", f"{d['predicted_tokens_per_s']:.4g} tokens/s"),
+        ("binding", ", ".join(d["binding"]) or "-"),
+        ("host memory", f"{d['host_memory_bytes'] / gib:.2f} of {prof['cpu_memory_bytes'] / gib:.2f} GiB"),
+        ("SSD traffic", f"{d['ssd_bytes_per_iteration'] / gib:.3f} GiB/iteration"),
+        ("horizontal, same", f"{d['horizontal_iteration_seconds_same_placement']:.4g} s/iteration"),
+        ("measured", f"fwd {prof['fwd_seconds'] * 1e3:.3g} ms, recompute "
+         f"{prof['recompute_seconds'] * 1e3:.3g} ms, bwd {prof['bwd_seconds'] * 1e3:.3g} ms"),
+        ("", f"SSD read {prof['ssd_read_bytes_per_s'] / 1e6:.4g} MB/s, write "
+         f"{prof['ssd_write_bytes_per_s'] / 1e6:.4g} MB/s, Adam "
+         f"{prof['adam_elems_per_s'] / 1e9:.3g} G elem/s"),
+    ]
+    return "\n".join(f"{k:<22}{v}" for k, v in rows)
+
+
+def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
+    """Entry point of `snake plan`. `profile`: use it instead of measuring (tests)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, or argparse's own error message
+        return int(e.code or 0)
+    if profile is None:
+        profile = measure_profile(
+            args.model, micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_len or args.model.block_size, device=args.device, dtype=args.dtype,
+            offload_dir=args.offload_dir, ssd_bandwidth_bytes_per_s=args.ssd_bandwidth,
+            remeasure=args.remeasure,
+        )
+    budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
+    profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
+    plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches)
+    if isinstance(plan, Infeasible):
+        print(f"snake plan: infeasible: {plan.message}", file=sys.stderr)
+        return 2
+    d = plan_json(plan, profile, predict_horizontal(profile, plan.n_micro, plan.placement))
+    print(json.dumps(d, indent=1) if args.json else format_table(d))
+    if args.plot:
+        ns = range(1, max(16, 2 * plan.n_micro) + 1)
+        m = args.model
+        title = f"GPT {m.n_layer} x {m.n_embd}, micro-batch {args.micro_batch_size}, {args.dtype}"
+        plot_roofline(roofline(profile, ns), args.plot, title=title)
+    return 0

@@ -1,0 +1,170 @@
+"""The per-layer time model shared by the LP (`solve`) and the fixed-placement predictions.
+
+A schedule is a list of phases per layer and iteration (vertical: one forward stage and one
+backward stage covering all n micro-batches; horizontal: per-micro-batch stages). A phase
+lasts as long as its slowest resource (compute, CPU Adam, host->device, device->host, SSD),
+all assumed to overlap (GreedySnake 4.5). Each resource gives a lower bound on the phase time
+that is linear in the CPU shares x = (param, ckpt, opt):
+
+    t_phase >= seconds + sum_k per_share[k] * x_k
+
+SSD bounds have negative per_share: every byte moved to CPU memory is a byte less of SSD
+traffic. Reads and writes share one channel (seconds = read_bytes / read_bw + write_bytes /
+write_bw), which is also what the runtime's token-bucket cap does (one bucket, both ways).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snake.memory import OPT_BYTES_PER_ELEM
+
+KINDS = ("param", "ckpt", "opt")
+GRAD_BYTES_PER_ELEM = 4  # fp32 gradients
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """t_phase >= seconds + sum(per_share[k] * x_k), k over KINDS. Named `<resource>_<phase>`."""
+
+    name: str
+    seconds: float
+    per_share: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def at(self, x: tuple[float, float, float]) -> float:
+        return self.seconds + sum(a * xi for a, xi in zip(self.per_share, x, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Bytes one phase moves for one layer. ssd_read / ssd_write: bytes of each kind that
+    would move if that kind lived entirely on SSD (scaled by 1 - x_k)."""
+
+    compute_seconds: float
+    adam_elems: float
+    h2d_bytes: float
+    d2h_bytes: float
+    ssd_read: tuple[float, float, float]
+    ssd_write: tuple[float, float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """A stage of one layer that occurs `count` times per iteration."""
+
+    name: str
+    count: int
+    traffic: Traffic
+    bounds: tuple[Bound, ...]
+
+    def ssd_bytes_at(self, x: tuple[float, float, float]) -> float:
+        t = self.traffic
+        return sum(
+            (rb + wb) * (1 - xi) for rb, wb, xi in zip(t.ssd_read, t.ssd_write, x, strict=True)
+        )
+
+    def seconds_at(self, x: tuple[float, float, float]) -> float:
+        return max(b.at(x) for b in self.bounds)
+
+
+def ssd_seconds_per_kind(profile, t: Traffic) -> tuple[float, float, float]:
+    """Seconds of SSD traffic per kind when that kind lives entirely on SSD."""
+    r, w = profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
+    return tuple(rb / r + wb / w for rb, wb in zip(t.ssd_read, t.ssd_write, strict=True))
+
+
+def phase(profile, name: str, count: int, t: Traffic) -> Phase:
+    """The five resource bounds of one phase."""
+    ssd = ssd_seconds_per_kind(profile, t)
+    return Phase(
+        name=name,
+        count=count,
+        traffic=t,
+        bounds=(
+            Bound(f"compute_{name}", t.compute_seconds),
+            Bound(f"adam_{name}", t.adam_elems / profile.adam_elems_per_s),
+            Bound(f"h2d_{name}", t.h2d_bytes / profile.h2d_bytes_per_s),
+            Bound(f"d2h_{name}", t.d2h_bytes / profile.d2h_bytes_per_s),
+            Bound(f"ssd_{name}", sum(ssd), (-ssd[0], -ssd[1], -ssd[2])),
+        ),
+    )
+
+
+def _units(shape) -> tuple[float, float, float, float]:
+    p = shape.layer_params
+    return p, p * shape.dtype_bytes, shape.ckpt_elems * shape.dtype_bytes, p * OPT_BYTES_PER_ELEM
+
+
+def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
+    """Layer-major (GreedySnake): one forward and one backward stage per layer.
+
+    Forward: params in; n-1 checkpoints in (the snake order carries one on the device) and
+    n out; the SSD share of the output checkpoints written and of the inputs read back; the
+    delayed alpha share of the optimizer step (opt read + written, param tail written).
+    Backward: params, n checkpoints and n-1 inter-layer gradients in; n-1 gradients and the
+    fp32 layer gradient (once) out; the (1 - alpha) share of the optimizer step."""
+    p, pb, cb, ob = _units(profile.shape)
+    a = alpha
+    fwd = Traffic(
+        compute_seconds=n * profile.fwd_seconds,
+        adam_elems=a * p,
+        h2d_bytes=pb + (n - 1) * cb,
+        d2h_bytes=n * cb,
+        ssd_read=(pb, (n - 1) * cb, a * ob),
+        ssd_write=(a * pb, n * cb, a * ob),
+    )
+    bwd = Traffic(
+        compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
+        adam_elems=(1 - a) * p,
+        h2d_bytes=pb + n * cb + (n - 1) * cb,
+        d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
+        ssd_read=(pb, n * cb, (1 - a) * ob),
+        ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob),
+    )
+    return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
+
+
+def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
+    """Micro-batch-major (ZeRO-Infinity): per micro-batch and layer, params loaded for the
+    forward and again for the backward; the output checkpoint stays on the device for the
+    next layer and is offloaded once; fp32 gradients go to CPU memory every micro-batch (4P
+    bytes) and are accumulated there. The optimizer step of a layer overlaps only the last
+    micro-batch's backward; its delayed alpha share the first micro-batch's forward."""
+    p, pb, cb, ob = _units(profile.shape)
+    a = alpha
+    f, rb = profile.fwd_seconds, profile.recompute_seconds + profile.bwd_seconds
+    grads = GRAD_BYTES_PER_ELEM * p
+
+    def fwd(first: bool) -> Traffic:
+        s = a if first else 0.0
+        return Traffic(f, s * p, pb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob))
+
+    def bwd(last: bool) -> Traffic:
+        s = 1 - a if last else 0.0
+        return Traffic(rb, s * p, pb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob))
+
+    phases = (
+        phase(profile, "fwd_first", 1, fwd(True)),
+        phase(profile, "fwd", n - 1, fwd(False)),
+        phase(profile, "bwd", n - 1, bwd(False)),
+        phase(profile, "bwd_last", 1, bwd(True)),
+    )
+    return tuple(ph for ph in phases if ph.count > 0)
+
+
+def phases_for(profile, n: int, alpha: float, schedule: str) -> tuple[Phase, ...]:
+    if schedule == "vertical":
+        return vertical_phases(profile, n, alpha)
+    if schedule == "horizontal":
+        return horizontal_phases(profile, n, alpha)
+    raise ValueError(f"schedule={schedule!r} must be 'vertical' or 'horizontal'")
+
+
+def layer_seconds(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:
+    """Seconds per layer and iteration at CPU shares x."""
+    return sum(ph.count * ph.seconds_at(x) for ph in phases)
+
+
+def ssd_bytes(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:
+    """SSD bytes (read + written) per layer and iteration at CPU shares x."""
+    return sum(ph.count * ph.ssd_bytes_at(x) for ph in phases)

@@ -1,0 +1,187 @@
+"""Timed probes behind `measure_profile`: block compute, copies, SSD, CPU AdamW.
+
+Each probe warms up (WARMUP runs), then repeats for about `seconds` (at least 2 runs) and returns the
+median. Everything it allocates is freed when it returns; the SSD probe removes its file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from snake.device import pin_host_memory, synchronize
+from snake.io import open_storage
+from snake.io.base import TokenBucket
+from snake.models.gpt import GPT, Block
+
+MiB = 1 << 20
+SSD_CHUNK = 8 * MiB
+COPY_BYTES = 64 * MiB  # larger than caches, so a CPU "copy" measures memory bandwidth
+SSD_SECONDS = 2.0  # at most this long per direction
+WARMUP = 2  # untimed runs before the timed ones
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _median_seconds(
+    run: Callable[[], None], device: torch.device, seconds: float, prepare=None
+) -> float:
+    """Median wall time of `run()` (after `prepare()`, untimed), repeated for ~seconds."""
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(50):
+        if prepare is not None:
+            prepare()
+        synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        synchronize(device)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+        if len(times) >= 2 and time.perf_counter() - start > seconds:
+            break
+    return statistics.median(times)
+
+
+def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float):
+    """(forward, recompute, backward) seconds of one Block on one micro-batch."""
+    block = Block(cfg).to(device=device, dtype=dtype)
+    x = torch.randn(mb, seq, cfg.n_embd, device=device, dtype=dtype)
+    xr = x.clone().requires_grad_(True)
+    params = list(block.parameters())
+    grad_out = torch.randn_like(x)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            block(x)
+
+    def recompute() -> None:
+        with torch.enable_grad():
+            block(xr)
+
+    graph: list[torch.Tensor] = []
+
+    def build() -> None:
+        with torch.enable_grad():
+            graph[:] = [block(xr)]
+
+    def bwd() -> None:
+        torch.autograd.grad(graph.pop(), [xr, *params], grad_out)
+
+    return (
+        _median_seconds(fwd, device, seconds),
+        _median_seconds(recompute, device, seconds),
+        _median_seconds(bwd, device, seconds, prepare=build),
+    )
+
+
+def pre_post_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float) -> float:
+    """Embedding + final norm + tied head + cross-entropy, forward and backward."""
+    model = GPT(dataclasses.replace(cfg, n_layer=0)).to(device=device, dtype=dtype)
+    idx = torch.randint(0, cfg.vocab_size, (mb, seq), device=device)
+    targets = torch.randint(0, cfg.vocab_size, (mb * seq,), device=device)
+
+    def step() -> None:
+        logits = model(idx)
+        loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), targets)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return _median_seconds(step, device, seconds)
+
+
+def copy_bytes_per_s(device: torch.device, nbytes: int, seconds: float) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s; on CPU both are a memcpy between tensors."""
+    pin = pin_host_memory(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = _median_seconds(lambda: dev.copy_(host, non_blocking=pin), device, seconds / 2)
+    d2h = _median_seconds(lambda: host.copy_(dev, non_blocking=pin), device, seconds / 2)
+    return nbytes / h2d, nbytes / d2h
+
+
+def adam_elems_per_s(seconds: float, n: int = 1 << 22) -> float:
+    """Elements per second of torch's fused AdamW on CPU fp32 tensors."""
+    p = torch.nn.Parameter(torch.zeros(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+    return n / _median_seconds(opt.step, torch.device("cpu"), seconds)
+
+
+def _transfer(f, op: str, total: int, threads: int) -> float:
+    """Bytes/s of `op` ("pread"/"pwrite") over [0, total) in SSD_CHUNK pieces on `threads`
+    threads, stopping after SSD_SECONDS."""
+    done = [0] * threads
+    deadline = time.monotonic() + SSD_SECONDS
+    offsets = list(range(0, total, SSD_CHUNK))
+
+    def worker(i: int) -> None:
+        with mmap.mmap(-1, SSD_CHUNK) as buf:
+            buf.write(os.urandom(SSD_CHUNK))
+            view = memoryview(buf)
+            try:
+                for off in offsets[i::threads]:
+                    getattr(f, op)(view, off)
+                    done[i] += SSD_CHUNK
+                    if time.monotonic() > deadline:
+                        break
+            finally:
+                view.release()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads, thread_name_prefix="ssd-probe") as pool:
+        for fut in [pool.submit(worker, i) for i in range(threads)]:
+            fut.result()
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def ssd_bytes_per_s(
+    offload_dir: Path, io_bytes: int, cap: float | None, threads: int = 2
+) -> tuple[float, float]:
+    """(read, write) bytes/s through open_storage (O_DIRECT where the file system allows),
+    with the token-bucket cap when given. Writes io_bytes, then reads them back."""
+    offload_dir.mkdir(parents=True, exist_ok=True)
+    total = max(SSD_CHUNK * threads, io_bytes // SSD_CHUNK * SSD_CHUNK)
+    if cap is not None:  # keep a capped probe near SSD_SECONDS per direction
+        total = min(total, max(SSD_CHUNK * threads, int(cap * SSD_SECONDS) // SSD_CHUNK * SSD_CHUNK))
+    path = offload_dir / f".snake-profile-{os.getpid()}-{threading.get_ident()}.bin"
+    f = open_storage(path, total, bucket=TokenBucket(cap) if cap is not None else None)
+    try:
+        write = _transfer(f, "pwrite", total, threads)
+        read = _transfer(f, "pread", total, threads)
+    finally:
+        f.close()
+        path.unlink(missing_ok=True)
+    return read, write
+
+
+def measure_all(
+    cfg, *, micro_batch_size: int, seq_len: int, device: str, dtype: str, offload_dir: Path,
+    cap: float | None, io_bytes: int, seconds: float,
+) -> dict[str, float]:
+    """Every measured field of a MachineProfile (memory excluded), as a dict."""
+    dev = torch.device(device)
+    tdtype = _DTYPES[dtype]
+    fwd, rec, bwd = block_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds)
+    h2d, d2h = copy_bytes_per_s(dev, COPY_BYTES, seconds)
+    read, write = ssd_bytes_per_s(offload_dir, io_bytes, cap)
+    return {
+        "fwd_seconds": fwd,
+        "recompute_seconds": rec,
+        "bwd_seconds": bwd,
+        "pre_post_seconds": pre_post_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds),
+        "h2d_bytes_per_s": h2d,
+        "d2h_bytes_per_s": d2h,
+        "ssd_read_bytes_per_s": read,
+        "ssd_write_bytes_per_s": write,
+        "adam_elems_per_s": adam_elems_per_s(seconds),
+    }

@@ -1,0 +1,193 @@
+"""What the planner knows about the machine: a `MachineProfile`, measured once and cached.
+
+`measure_profile` times a real block on the device, host<->device copies, SSD reads and
+writes through the runtime's own storage backend (`snake.io.open_storage`, O_DIRECT, the
+token-bucket cap when one is given), and CPU AdamW; the probes live in `planner/probes.py`.
+Timings are cached as JSON in the offload directory, keyed by machine, device, dtype, model
+shape and cap; free memory is read fresh on every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from snake.errors import ConfigError
+from snake.memory import DTYPE_BYTES, ModelShape
+
+if TYPE_CHECKING:
+    from snake.models.gpt import GPTConfig
+
+MiB = 1 << 20
+CACHE_VERSION = 1
+_MEASURED = (
+    "fwd_seconds",
+    "bwd_seconds",
+    "recompute_seconds",
+    "pre_post_seconds",
+    "h2d_bytes_per_s",
+    "d2h_bytes_per_s",
+    "ssd_read_bytes_per_s",
+    "ssd_write_bytes_per_s",
+    "adam_elems_per_s",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MachineProfile:
+    """Measured costs of one block and of every channel, for one model shape.
+
+    Times are per block (one layer) and per micro-batch: fwd_seconds (forward, no grad),
+    recompute_seconds (forward building the graph), bwd_seconds (backward only).
+    pre_post_seconds: embedding + head + loss, forward and backward, per micro-batch.
+    Bandwidths in bytes/s; adam_elems_per_s: CPU AdamW elements updated per second.
+    cpu_memory_bytes: host memory the runtime may use. device_memory_bytes: free device
+    memory. device: "cpu" or "cuda" (on "cpu" the device working set is host memory too).
+    """
+
+    fwd_seconds: float
+    bwd_seconds: float
+    recompute_seconds: float
+    pre_post_seconds: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    ssd_read_bytes_per_s: float
+    ssd_write_bytes_per_s: float
+    adam_elems_per_s: float
+    cpu_memory_bytes: float
+    device_memory_bytes: float
+    shape: ModelShape
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in (*_MEASURED, "cpu_memory_bytes", "device_memory_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not v > 0 or v == float("inf"):
+                raise ConfigError(f"profile.{name}", v, "must be a finite number > 0", "remeasure")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError("profile.device", self.device, "must be 'cpu' or 'cuda'")
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (shape as a nested dict)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> MachineProfile:
+        return cls(**{**d, "shape": ModelShape(**d["shape"])})
+
+
+def shape_of(model_cfg: GPTConfig, micro_batch_size: int, seq_len: int, dtype: str) -> ModelShape:
+    """The ModelShape of a `GPTConfig` at a micro-batch of micro_batch_size x seq_len tokens.
+
+    Resident params: token + position embeddings and the final norm (the head is tied)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
+    if micro_batch_size < 1 or not 1 <= seq_len <= model_cfg.block_size:
+        raise ConfigError(
+            "seq_len", (micro_batch_size, seq_len), f"needs micro_batch_size >= 1 and "
+            f"1 <= seq_len <= block_size={model_cfg.block_size}",
+        )
+    c = model_cfg.n_embd
+    resident = (model_cfg.vocab_size + model_cfg.block_size) * c + c * (2 if model_cfg.bias else 1)
+    return ModelShape(
+        n_layers=model_cfg.n_layer,
+        layer_params=model_cfg.block_params(),
+        ckpt_elems=micro_batch_size * seq_len * c,
+        resident_params=resident,
+        tokens_per_micro=micro_batch_size * seq_len,
+        dtype_bytes=DTYPE_BYTES[dtype],
+    )
+
+
+def free_memory_bytes(device: str) -> tuple[float, float]:
+    """(available host bytes, free device bytes); on CPU the device is host memory."""
+    import torch
+
+    from snake.device import device_memory_bytes
+
+    host = float(psutil.virtual_memory().available)
+    dev = device_memory_bytes(torch.device(device))
+    return host, float(dev if dev is not None else host)
+
+
+def cache_path(offload_dir: str | Path, key: dict) -> Path:
+    """offload_dir/snake-profile-<hash of key>.json."""
+    blob = json.dumps(key, sort_keys=True).encode()
+    return Path(offload_dir) / f"snake-profile-{hashlib.sha256(blob).hexdigest()[:16]}.json"
+
+
+def _cache_key(shape: ModelShape, device: str, dtype: str, cap: float | None) -> dict:
+    import torch
+
+    return {
+        "version": CACHE_VERSION,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": device,
+        "dtype": dtype,
+        "shape": dataclasses.asdict(shape),
+        "cap": cap,
+    }
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        d = json.loads(path.read_text())
+        return {k: float(d[k]) for k in _MEASURED}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def measure_profile(
+    model_cfg: GPTConfig,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    offload_dir: str | Path,
+    ssd_bandwidth_bytes_per_s: float | None = None,
+    io_bytes: int = 256 * MiB,
+    cache: bool = True,
+    remeasure: bool = False,
+    seconds_per_probe: float = 0.4,
+) -> MachineProfile:
+    """Measure (or load from offload_dir's cache) the profile of `model_cfg` on `device`.
+
+    io_bytes: bytes written then read back on the SSD (each direction, capped at 256 MiB and
+    at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
+    remeasure: ignore (and overwrite) the cache. Takes ~5-15 s on two CPU cores."""
+    from planner import probes
+
+    shape = shape_of(model_cfg, micro_batch_size, seq_len, dtype)
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    path = cache_path(offload_dir, _cache_key(shape, str(device), dtype, ssd_bandwidth_bytes_per_s))
+    measured = _load(path) if cache and not remeasure else None
+    if measured is None:
+        measured = probes.measure_all(
+            model_cfg,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            device=str(device),
+            dtype=dtype,
+            offload_dir=Path(offload_dir),
+            cap=ssd_bandwidth_bytes_per_s,
+            io_bytes=min(int(io_bytes), 256 * MiB),
+            seconds=seconds_per_probe,
+        )
+        if cache:
+            Path(offload_dir).mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(measured, indent=1, sort_keys=True))
+    host, dev = free_memory_bytes(str(device))
+    return MachineProfile(
+        **measured, cpu_memory_bytes=host, device_memory_bytes=dev, shape=shape, device=kind
+    )

@@ -1,0 +1,238 @@
+"""One LP per (n, alpha): the CPU shares that minimise the per-layer iteration time.
+
+Variables: x = (param, ckpt, opt) CPU shares in [0, 1] and one time per phase of the
+schedule (vertical: t_f, t_b). Rows: host memory (`snake.memory.host_memory`, exactly what
+the runtime allocates) <= the CPU budget, and every resource bound of `planner.model`
+(compute, CPU Adam, host<->device, SSD) per phase. Objective: per-layer time plus a small
+penalty on SSD traffic, so that spare CPU memory still takes traffic off the SSD.
+Device memory does not depend on x: it is checked before the LP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from planner.model import KINDS, Phase, layer_seconds, phases_for, ssd_bytes
+from planner.profile import MachineProfile
+from snake.config import Placement
+from snake.memory import LinearMemory, device_memory, host_memory
+
+GiB = float(1 << 30)
+SSD_PENALTY = 1e-4  # objective weight of SSD seconds relative to iteration seconds
+TIGHT = 1e-6  # relative slack under which a row counts as binding
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A resolved configuration and what the model predicts for it.
+
+    placement: CPU shares (rest on SSD). layer_seconds: per phase name, seconds of one
+    occurrence of that phase for one layer. binding: rows that are tight at the optimum
+    (`cpu_memory`, `compute_fwd`, `ssd_bwd`, `adam_bwd`, `h2d_fwd`, ...).
+    host_memory_bytes: what the runtime will allocate in host memory.
+    ssd_bytes_per_iteration: SSD reads + writes per iteration, all layers."""
+
+    schedule: str
+    n_micro: int
+    alpha: float
+    placement: Placement
+    predicted_iteration_seconds: float
+    predicted_tokens_per_s: float
+    binding: tuple[str, ...]
+    layer_seconds: dict[str, float]
+    host_memory_bytes: float
+    ssd_bytes_per_iteration: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Infeasible:
+    """No placement fits: `resource` ("cpu_memory" or "device_memory") is short by
+    `short_by` `unit`s. `message` says so in words, with a fix."""
+
+    resource: str
+    short_by: float
+    unit: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def fmt_bytes(n: float) -> str:
+    """1.50 GiB, 12.0 MiB, 3.0 KiB."""
+    for unit, size in (("GiB", GiB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(n) >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _check(alpha: float, n_micro: int, schedule: str) -> None:
+    if not isinstance(n_micro, int) or n_micro < 1:
+        raise ValueError(f"n_micro={n_micro!r} must be an integer >= 1")
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha={alpha!r} must be in [0, 1) (delayed optimizer share)")
+    if schedule not in ("vertical", "horizontal"):
+        raise ValueError(f"schedule={schedule!r} must be 'vertical' or 'horizontal'")
+
+
+def host_budget(profile: MachineProfile, n_micro: int) -> tuple[float, float]:
+    """(host bytes the placement may use, device bytes). On a CPU device the device's
+    working set is host memory too, so it comes off the host budget."""
+    dev = device_memory(profile.shape, n_micro=n_micro)
+    on_host = dev if profile.device == "cpu" else 0.0
+    return profile.cpu_memory_bytes - on_host, dev
+
+
+def memory_check(
+    profile: MachineProfile, mem: LinearMemory, n_micro: int, placement: Placement | None
+) -> Infeasible | None:
+    """Infeasible when even the smallest host footprint (or the fixed placement) is over."""
+    budget, dev = host_budget(profile, n_micro)
+    if profile.device == "cuda" and dev > profile.device_memory_bytes:
+        short = dev - profile.device_memory_bytes
+        return Infeasible(
+            resource="device_memory", short_by=short, unit="bytes",
+            message=f"device memory: need {fmt_bytes(dev)} at n={n_micro}, have "
+            f"{fmt_bytes(profile.device_memory_bytes)} (use fewer micro-batches or a smaller "
+            "micro-batch)",
+        )
+    if placement is None:
+        need = mem.fixed_bytes + sum(min(0.0, c) for c in mem.per_share.values())
+        what, fix = "for buffers", "fewer micro-batches, a smaller micro-batch"
+    else:
+        need = mem.at(placement.param, placement.ckpt, placement.opt)
+        what = f"for placement param={placement.param:g} ckpt={placement.ckpt:g} opt={placement.opt:g}"
+        fix = "smaller CPU shares (placement), fewer micro-batches"
+    if need <= budget:
+        return None
+    extra = f" + {fmt_bytes(dev)} device working set on the CPU" if profile.device == "cpu" else ""
+    return Infeasible(
+        resource="cpu_memory", short_by=need - budget, unit="bytes",
+        message=f"CPU memory: need {fmt_bytes(need)} {what} at n={n_micro}{extra}, have "
+        f"{fmt_bytes(profile.cpu_memory_bytes)} (use {fix} or give more CPU memory)",
+    )
+
+
+def _lp(phases: tuple[Phase, ...], mem: LinearMemory, budget: float, placement) -> highspy.HighsLp:
+    """Columns: x_param, x_ckpt, x_opt, then one time per phase (scaled by t0)."""
+    t0 = max(max(b.seconds for ph in phases for b in ph.bounds), 1e-12)
+    nx, nt = len(KINDS), len(phases)
+    cost = np.zeros(nx + nt)
+    starts, index, value, lower, upper = [0], [], [], [], []
+    for j, ph in enumerate(phases):
+        cost[nx + j] = ph.count
+        for b in ph.bounds:
+            cols = [nx + j] + [k for k in range(nx) if b.per_share[k] != 0.0]
+            vals = [1.0] + [-b.per_share[k] / t0 for k in cols[1:]]
+            if b.name.startswith("ssd_"):
+                for k in cols[1:]:
+                    cost[k] += SSD_PENALTY * ph.count * b.per_share[k] / t0
+            index += cols
+            value += vals
+            starts.append(len(index))
+            lower.append(b.seconds / t0)
+            upper.append(highspy.kHighsInf)
+    index += list(range(nx))
+    value += [mem.per_share[k] / budget for k in KINDS]
+    starts.append(len(index))
+    lower.append(-highspy.kHighsInf)
+    upper.append((budget - mem.fixed_bytes) / budget)
+
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = nx + nt, len(lower)
+    lp.col_cost_ = cost
+    fixed = None if placement is None else [getattr(placement, k) for k in KINDS]
+    lp.col_lower_ = np.array((fixed or [0.0] * nx) + [0.0] * nt)
+    lp.col_upper_ = np.array((fixed or [1.0] * nx) + [highspy.kHighsInf] * nt)
+    lp.row_lower_, lp.row_upper_ = np.array(lower), np.array(upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(value)
+    return lp
+
+
+def _run(lp: highspy.HighsLp) -> list[float] | None:
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return list(h.getSolution().col_value[: len(KINDS)])
+
+
+def make_plan(
+    profile: MachineProfile, phases, mem: LinearMemory, budget: float,
+    x: tuple[float, float, float], *, n_micro: int, alpha: float, schedule: str,
+) -> Plan:
+    """Evaluate the time model at x and name the tight rows."""
+    shape = profile.shape
+    layer = layer_seconds(phases, x)
+    iteration = shape.n_layers * layer + n_micro * profile.pre_post_seconds
+    binding = []
+    host = mem.at(*x)
+    if host >= budget * (1 - 1e-5):
+        binding.append("cpu_memory")
+    for ph in phases:
+        t = ph.seconds_at(x)
+        binding += [b.name for b in ph.bounds if b.at(x) >= t * (1 - TIGHT) and t > 0]
+    return Plan(
+        schedule=schedule, n_micro=n_micro, alpha=alpha,
+        placement=Placement(param=x[0], ckpt=x[1], opt=x[2]),
+        predicted_iteration_seconds=iteration,
+        predicted_tokens_per_s=n_micro * shape.tokens_per_micro / iteration,
+        binding=tuple(binding),
+        layer_seconds={ph.name: ph.seconds_at(x) for ph in phases},
+        host_memory_bytes=host,
+        ssd_bytes_per_iteration=shape.n_layers * ssd_bytes(phases, x),
+    )
+
+
+def solve(
+    profile: MachineProfile,
+    *,
+    n_micro: int,
+    alpha: float,
+    schedule: str = "vertical",
+    workers: int = 2,
+    placement: Placement | None = None,
+) -> Plan | Infeasible:
+    """Best placement for n_micro micro-batches and delayed-step share alpha.
+
+    workers: CPU optimizer workers (they size the runtime's staging pools). placement: fix
+    the shares instead of choosing them (the LP then only predicts and checks memory)."""
+    _check(alpha, n_micro, schedule)
+    mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers)
+    short = memory_check(profile, mem, n_micro, placement)
+    if short is not None:
+        return short
+    budget, _ = host_budget(profile, n_micro)
+    phases = phases_for(profile, n_micro, alpha, schedule)
+    sol = _run(_lp(phases, mem, budget, placement))
+    if sol is None:  # the memory check above is exact; this would be a numerical failure
+        raise RuntimeError(f"HiGHS found no optimum for n={n_micro} alpha={alpha} ({schedule})")
+    x = tuple(min(1.0, max(0.0, v)) for v in sol)
+    return make_plan(profile, phases, mem, budget, x, n_micro=n_micro, alpha=alpha, schedule=schedule)
+
+
+def predict(
+    profile: MachineProfile, n_micro: int, placement: Placement, alpha: float, schedule: str
+) -> float:
+    """Predicted iteration seconds of a fixed configuration (no memory check)."""
+    _check(alpha, n_micro, schedule)
+    x = (placement.param, placement.ckpt, placement.opt)
+    layer = layer_seconds(phases_for(profile, n_micro, alpha, schedule), x)
+    return profile.shape.n_layers * layer + n_micro * profile.pre_post_seconds
+
+
+def predict_horizontal(
+    profile: MachineProfile, n_micro: int, placement: Placement, alpha: float = 0.0
+) -> float:
+    """Iteration seconds of the horizontal (ZeRO-Infinity) schedule at a fixed placement:
+    params loaded 2n times per layer, fp32 gradients to CPU every micro-batch, optimizer
+    overlapped only with the last micro-batch's backward (alpha: with the first forward)."""
+    return predict(profile, n_micro, placement, alpha, "horizontal")

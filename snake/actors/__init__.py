@@ -1,0 +1,1 @@
+"""The runtime's actors: one asyncio task each, talking through bounded mailboxes."""

@@ -1,0 +1,38 @@
+"""What every actor shares: a stable name (its trace track), where it is (for errors),
+and running blocking work on an executor with a trace span around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from snake.blocking import run_blocking
+from snake.trace import Tracer
+
+R = TypeVar("R")
+
+
+class Actor:
+    name: str = "actor"
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.iteration: int | None = None
+        self.layer: int | None = None
+        self.micro_batch: int | None = None
+
+    def at(self, iteration: int | None, layer: int | None = None, micro_batch: int | None = None) -> None:
+        self.iteration, self.layer, self.micro_batch = iteration, layer, micro_batch
+
+    async def work(
+        self, executor: Executor, label: str, fn: Callable[..., R], *args: Any, **span: Any
+    ) -> R:
+        start = self.tracer.now()
+        try:
+            return await run_blocking(executor, fn, *args)
+        finally:
+            self.tracer.add(self.name, label, start, self.tracer.now(), **span)
+
+    async def run(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError

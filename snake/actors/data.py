@@ -1,0 +1,58 @@
+"""The data actor: pulls global batches from the user's data, validates and splits them,
+and hands them to compute one iteration ahead.
+
+| consumes  | the user's iterable / async iterable                                   |
+| produces  | BatchReady -> compute                                                  |
+| waits for | the next item (sync iterators on the data executor)                    |
+| unblocked | by compute taking batches (its mailbox is bounded)                     |
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from snake.actors.base import Actor
+from snake.channels import Mailbox
+from snake.data import DataSource, split_batch
+from snake.engine import Engine
+from snake.messages import BatchReady
+
+
+class DataFeeder(Actor):
+    name = "data"
+
+    def __init__(
+        self,
+        engine: Engine,
+        source: DataSource,
+        *,
+        compute: Mailbox,
+        iterations: range,
+        expect_shape: torch.Size,
+        vocab_size: int | None,
+    ) -> None:
+        super().__init__(engine.tracer)
+        self.e = engine
+        self.source = source
+        self.compute = compute
+        self.iterations = iterations
+        self.expect_shape = expect_shape
+        self.vocab_size = vocab_size
+
+    async def run(self) -> None:
+        ex = self.e.executors["data"]
+        for t in self.iterations:
+            self.at(t)
+            item = await self.source.next(ex)
+            split = functools.partial(
+                split_batch,
+                item,
+                micro_batches=self.e.M,
+                device=self.e.device,
+                expect_shape=self.expect_shape,
+                vocab_size=self.vocab_size,
+            )
+            ins, tgs, tokens = await self.work(ex, f"batch {t}", split)
+            await self.compute.put(BatchReady(t, ins, tgs, tokens))

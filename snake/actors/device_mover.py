@@ -1,0 +1,206 @@
+"""The device mover, one actor per direction (GreedySnake 4.2-4.3).
+
+h2d
+| consumes  | its plan (snake.plans.h2d_plan), TailOnHost (param, ckpt) from ssd_read |
+| produces  | ParamsOnDevice, ActivationOnDevice -> compute                          |
+| waits for | the clock (one stage ahead), the ledger (unit written), a device slot  |
+| unblocked | by compute (publishes stages, returns param slots), ssd_read, d2h      |
+
+d2h
+| consumes  | ActivationProduced, GradsProduced from compute                          |
+| produces  | WriteTail -> ssd_write; GradsOnHost -> optimizer[layer % workers]       |
+| waits for | a staging buffer (ckpt tails), a host gradient buffer (vertical)        |
+| unblocked | by ssd_write (returns tail buffers), optimizer (returns grad buffers)   |
+
+CPU<->device moves whole units here; on CUDA on a copy stream with pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from snake.actors.base import Actor
+from snake.channels import Mailbox, StageClock
+from snake.device import Copier
+from snake.engine import Engine
+from snake.messages import (
+    ActivationOnDevice,
+    ActivationProduced,
+    GradsOnHost,
+    GradsProduced,
+    ParamsOnDevice,
+    Stop,
+    TailOnHost,
+    WriteTail,
+)
+from snake.plans import H2DOp
+
+
+class HostToDevice(Actor):
+    name = "h2d"
+
+    def __init__(self, engine: Engine, *, inbox: Mailbox, compute: Mailbox, clock: StageClock, iterations: range) -> None:
+        super().__init__(engine.tracer)
+        self.e = engine
+        self.inbox = inbox
+        self.compute = compute
+        self.clock = clock
+        self.iterations = iterations
+        self.copier = Copier(engine.device)
+
+    async def run(self) -> None:
+        for op in self.e.plans.h2d_plan(self.iterations):
+            self.at(op.t, op.load.layer, op.load.micro_batch if op.load.micro_batch >= 0 else None)
+            await self.clock.wait_for(op.start)
+            if op.load.kind == "param":
+                await self._params(op)
+            else:
+                await self._activation(op)
+
+    async def _params(self, op: H2DOp) -> None:
+        e, layer = self.e, op.load.layer
+        store = e.stores["param"]
+        slot = await e.param_slots.acquire()
+        try:
+            pairs, tails = [], []
+            off = 0
+            for part, n in enumerate(e.part_sizes):
+                if not n:
+                    continue
+                u = store.unit((layer, part))
+                await e.ledger.wait_for(("param", layer, part), op.t)
+                pairs.append((slot[off : off + u.k], store.head(u)[0]))
+                if u.tail_n:
+                    msg: TailOnHost = await self.inbox.take(("tail", "param", (layer, part), op.g))
+                    tails.append(msg.buf)
+                    pairs.append((slot[off + u.k : off + n], store.tail(u, msg.buf)[0]))
+                off += n
+            nbytes = e.P * store.esize
+            try:
+                await self.work(e.executors["copy"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
+            finally:
+                pool = e.pools["param_in"]
+                for b in tails:
+                    assert pool is not None
+                    pool.release(b)
+            e.traffic.add(op.t, "cpu", "gpu", "param", nbytes)
+        except BaseException:
+            e.param_slots.release(slot)
+            raise
+        await self.compute.put(ParamsOnDevice(op.t, op.g, layer, slot))
+
+    async def _activation(self, op: H2DOp) -> None:
+        e, ld = self.e, op.load
+        store = e.stores[ld.kind]
+        u = store.unit((ld.layer, ld.micro_batch))
+        await e.ledger.wait_for((ld.kind, ld.layer, ld.micro_batch), op.t + 1)
+        tail = None
+        if u.tail_n:
+            tail = (await self.inbox.take(("tail", ld.kind, (ld.layer, ld.micro_batch), op.g))).buf
+        nbytes = u.n * store.esize
+
+        def load() -> torch.Tensor:
+            dev = torch.empty(e.ckpt_shape, dtype=e.dtype, device=e.device)
+            flat = dev.view(-1)
+            pairs = [(flat[: u.k], store.head(u)[0])]
+            if tail is not None:
+                pairs.append((flat[u.k :], store.tail(u, tail)[0]))
+            self.copier.copy(pairs)
+            return dev
+
+        try:
+            label = f"{ld.kind} L{ld.layer} mb{ld.micro_batch}"
+            dev = await self.work(e.executors["copy"], label, load, link="cpu->gpu", bytes=nbytes)
+        finally:
+            if tail is not None:
+                pool = e.pools["ckpt_in"]
+                assert pool is not None
+                pool.release(tail)
+        e.traffic.add(op.t, "cpu", "gpu", ld.kind, nbytes)
+        await self.compute.put(ActivationOnDevice(ld.kind, op.t, op.g, ld.layer, ld.micro_batch, dev))
+
+
+class DeviceToHost(Actor):
+    name = "d2h"
+
+    def __init__(self, engine: Engine, *, inbox: Mailbox, ssd_write: Mailbox, optimizers: list[Mailbox]) -> None:
+        super().__init__(engine.tracer)
+        self.e = engine
+        self.inbox = inbox
+        self.ssd_write = ssd_write
+        self.optimizers = optimizers
+        self.copier = Copier(engine.device)
+
+    async def run(self) -> None:
+        while True:
+            msg = await self.inbox.get()
+            match msg:
+                case Stop():
+                    await self.ssd_write.put(Stop(self.name))
+                    return
+                case ActivationProduced():
+                    await self._activation(msg)
+                case GradsProduced():
+                    await self._grads(msg)
+                case _:
+                    raise TypeError(f"d2h: unexpected message {type(msg).__name__}")
+
+    async def _activation(self, msg: ActivationProduced) -> None:
+        e = self.e
+        self.at(msg.t, msg.layer, msg.micro_batch)
+        store = e.stores[msg.kind]
+        u = store.unit((msg.layer, msg.micro_batch))
+        flat = msg.tensor.reshape(-1)
+        pool = e.pools["ckpt_out"] if u.tail_n else None
+        buf = await pool.acquire() if pool is not None else None
+        pairs = [(store.head(u)[0], flat[: u.k])]
+        if buf is not None:
+            pairs.append((store.tail(u, buf)[0], flat[u.k :]))
+        nbytes = u.n * store.esize
+        try:
+            label = f"{msg.kind} L{msg.layer} mb{msg.micro_batch}"
+            await self.work(e.executors["copy"], label, self.copier.copy, pairs, link="gpu->cpu", bytes=nbytes)
+        except BaseException:
+            if buf is not None and pool is not None:
+                pool.release(buf)
+            raise
+        e.traffic.add(msg.t, "gpu", "cpu", msg.kind, nbytes)
+        key = (msg.kind, msg.layer, msg.micro_batch)
+        if buf is not None and pool is not None:
+            await self.ssd_write.put(WriteTail(msg.t, store, u, buf, pool, key, msg.t + 1))
+        else:
+            await e.ledger.mark(key, msg.t + 1)
+
+    async def _grads(self, msg: GradsProduced) -> None:
+        e = self.e
+        self.at(msg.t, msg.layer, msg.micro_batch if msg.micro_batch >= 0 else None)
+        nbytes = e.P * 4
+        label = f"grads L{msg.layer}" + (f" mb{msg.micro_batch}" if msg.micro_batch >= 0 else "")
+        dest = self.optimizers[msg.layer % len(self.optimizers)]
+        if e.grad_host is not None:  # vertical: the whole accumulated gradient, once
+            host = await e.grad_host.acquire()
+            try:
+                await self.work(e.executors["copy"], label, self.copier.copy, [(host, msg.buf)], link="gpu->cpu", bytes=nbytes)
+            except BaseException:
+                e.grad_host.release(host)
+                raise
+            finally:
+                e.grad_slots.release(msg.buf)
+            e.traffic.add(msg.t, "gpu", "cpu", "grad", nbytes)
+            await dest.put(GradsOnHost(msg.t, msg.layer, host))
+            return
+        acc = e.accumulators[msg.layer]
+
+        def accumulate() -> None:
+            if msg.first:
+                self.copier.copy([(acc, msg.buf)])
+            else:
+                acc.add_(msg.buf.to("cpu", non_blocking=False))
+
+        try:
+            await self.work(e.executors["copy"], label, accumulate, link="gpu->cpu", bytes=nbytes)
+        finally:
+            e.grad_slots.release(msg.buf)
+        e.traffic.add(msg.t, "gpu", "cpu", "grad", nbytes)
+        if msg.last:
+            await dest.put(GradsOnHost(msg.t, msg.layer, None))

@@ -1,0 +1,160 @@
+"""A CPU optimizer worker; the pool is `optimizer_workers` of them, layer l on worker
+l % workers (GreedySnake 4.3-4.4).
+
+| consumes  | its plan (snake.plans.worker_plan), GradsOnHost, TailOnHost (opt)      |
+| produces  | updated master/m/v and compute-dtype params: heads in place, tails as  |
+|           | WriteTail -> ssd_write; ledger marks                                   |
+| waits for | the layer's gradient (now-step), the clock (delayed step: two stages   |
+|           | before the layer's forward), the opt tail, a param staging buffer      |
+| unblocked | by d2h (gradients), ssd_read (opt tails), ssd_write (buffers)          |
+
+now-step: the first (1 - alpha) of the layer's elements, as soon as the gradient is in
+CPU memory, overlapping the backward of later layers. delayed step: the remaining alpha,
+in the next iteration before the layer's forward; its gradient waits in CPU memory
+(vertical: one alpha-sized fp32 slice per layer; horizontal: the layer's accumulator).
+AdamW is element-wise, so the split gives exactly the result of alpha = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from snake.actors.base import Actor
+from snake.buffers import HostBuffer
+from snake.channels import Mailbox, StageClock
+from snake.engine import Engine
+from snake.messages import GradsOnHost, Stop, WriteTail
+from snake.optim import adamw_step
+from snake.plans import NOW, StepOp
+from snake.stores import Unit, scatter
+
+
+class OptimizerWorker(Actor):
+    def __init__(
+        self,
+        engine: Engine,
+        index: int,
+        *,
+        inbox: Mailbox,
+        ssd_write: Mailbox,
+        clock: StageClock,
+        iterations: range,
+    ) -> None:
+        super().__init__(engine.tracer)
+        self.name = f"optimizer[{index}]"
+        self.e = engine
+        self.index = index
+        self.inbox = inbox
+        self.ssd_write = ssd_write
+        self.clock = clock
+        self.iterations = iterations
+        self.layers = [layer for layer in range(engine.N) if layer % engine.workers == index]
+
+    async def run(self) -> None:
+        for op in self.e.plans.worker_plan(self.iterations, self.layers, self.e.first_delayed):
+            self.at(op.t, op.layer)
+            await self.step(op)
+        await self.ssd_write.put(Stop(self.name))
+
+    async def step(self, op: StepOp) -> None:
+        e = self.e
+        n_now = e.part_sizes[NOW]
+        host: torch.Tensor | None = None
+        if op.kind == "now":
+            msg: GradsOnHost = await self.inbox.take(("grads", op.t, op.layer))
+            host = msg.buf
+            full = host if host is not None else e.accumulators[op.layer]
+            grads = full[:n_now]
+        else:
+            await self.clock.wait_for(op.key)  # type: ignore[arg-type]
+            full = None
+            grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:]
+        ostore, pstore = e.stores["opt"], e.stores["param"]
+        ou = ostore.unit((op.layer, op.part))
+        pu = pstore.unit((op.layer, op.part))
+        otail = None
+        if ou.tail_n:
+            otail = (await self.inbox.take(("tail", "opt", (op.layer, op.part), op.t, op.kind))).buf
+        ppool = e.pools["param_out"]
+        ptail = await ppool.acquire() if pu.tail_n and ppool is not None else None
+
+        def work() -> None:
+            step_unit(e, grads, ou, otail, pu, ptail, op.step)
+            if full is not None and e.vertical and e.part_sizes[1]:
+                e.delayed_grads[op.layer].copy_(full[n_now:])
+
+        try:
+            await self.work(e.executors["optimizer"], f"adamw L{op.layer} {op.kind}", work)
+        except BaseException:
+            for buf, pool in ((otail, e.pools["opt"]), (ptail, ppool)):
+                if buf is not None and pool is not None:
+                    pool.release(buf)
+            raise
+        finally:
+            if host is not None and e.grad_host is not None:
+                e.grad_host.release(host)
+        await self._store(op, ou, otail, "opt")
+        await self._store(op, pu, ptail, "param")
+
+    async def _store(self, op: StepOp, u: Unit, buf: HostBuffer | None, kind: str) -> None:
+        e = self.e
+        key = (kind, op.layer, op.part)
+        if buf is None:
+            await e.ledger.mark(key, op.step)
+            return
+        pool = e.pools["opt" if kind == "opt" else "param_out"]
+        assert pool is not None
+        await self.ssd_write.put(WriteTail(op.t, e.stores[kind], u, buf, pool, key, op.step))
+
+
+def step_unit(
+    e: Engine,
+    grads: torch.Tensor,
+    ou: Unit,
+    otail: HostBuffer | None,
+    pu: Unit,
+    ptail: HostBuffer | None,
+    step: int,
+) -> None:
+    """Blocking: AdamW on one part of one layer, its state split between the CPU head and
+    the staged SSD tail; then the new compute-dtype parameters into the param unit's head
+    (in place) and staged tail."""
+    ostore, pstore = e.stores["opt"], e.stores["param"]
+    pieces = [ostore.head(ou)]
+    if otail is not None:
+        pieces.append(ostore.tail(ou, otail))
+    g = [grads[: ou.k], grads[ou.k :]][: len(pieces)]
+    adamw_step(
+        [p[0] for p in pieces], g, [p[1] for p in pieces], [p[2] for p in pieces], step=step, opt=e.config.optimizer
+    )
+    dst = [pstore.head(pu)[0]]
+    if ptail is not None:
+        dst.append(pstore.tail(pu, ptail)[0])
+    scatter([p[0] for p in pieces], dst)
+
+
+def flush_delayed(e: Engine) -> None:
+    """Blocking, outside any run: apply the delayed (alpha) steps still pending from the
+    last iteration, so that the stores hold the fully updated model."""
+    from snake.buffers import alloc_host
+
+    t = e.next_t
+    if not e.plans.has_delayed(t, e.first_delayed):
+        return
+    ostore, pstore = e.stores["opt"], e.stores["param"]
+    obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
+    pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
+    n_now = e.part_sizes[NOW]
+    for layer in range(e.N):
+        grads = e.delayed_grads[layer] if e.vertical else e.accumulators[layer][n_now:]
+        ou, pu = ostore.unit((layer, 1)), pstore.unit((layer, 1))
+        if ou.tail_n:
+            ostore.read_tail(ou, obuf)
+        step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t)
+        if ou.tail_n:
+            ostore.write_tail(ou, obuf)
+        if pu.tail_n:
+            pstore.write_tail(pu, pbuf)
+        e.ledger.set(("opt", layer, 1), t)
+        e.ledger.set(("param", layer, 1), t)
+    e.first_delayed = t + 1

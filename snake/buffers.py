@@ -1,0 +1,96 @@
+"""Fixed host and device buffers, and pools of them.
+
+Host buffers are ALIGN-aligned (mmap, or pinned memory when CUDA is present) so they can
+take O_DIRECT transfers. A pool hands out a fixed set: running out means waiting (back-
+pressure), never allocating. At the end of a run every pool checks that all came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+
+from snake.io.base import ALIGN, align_up
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """`data`: a uint8 tensor of `nbytes` at an ALIGN-aligned address."""
+
+    data: torch.Tensor
+    _keep: object = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        nb = numel * torch.empty((), dtype=dtype).element_size()
+        return self.data[:nb].view(dtype)
+
+    def memoryview(self, nbytes: int) -> memoryview:
+        """A view of the first `nbytes` (rounded up to ALIGN) for pread/pwrite."""
+        return memoryview(self.data.numpy())[: align_up(nbytes)]
+
+
+def alloc_host(nbytes: int, *, pin: bool) -> HostBuffer:
+    """An aligned host buffer of at least `nbytes` (rounded up to ALIGN)."""
+    n = max(align_up(nbytes), ALIGN)
+    if pin:
+        raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=True)
+        skip = (-raw.data_ptr()) % ALIGN
+        return HostBuffer(raw[skip : skip + n], raw)
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    return HostBuffer(t, m)
+
+
+def alloc_host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A plain host tensor (pinned when CUDA is present), zero-filled."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+T = TypeVar("T")
+
+
+class BufferPool(Generic[T]):
+    """A fixed set of buffers. `acquire` waits while all are out."""
+
+    def __init__(self, name: str, buffers: list[T]) -> None:
+        if not buffers:
+            raise ValueError(f"pool {name!r} needs at least one buffer")
+        self.name = name
+        self.size = len(buffers)
+        self._free: asyncio.Queue[T] = asyncio.Queue(maxsize=len(buffers))
+        self._all = {id(b) for b in buffers}
+        for b in buffers:
+            self._free.put_nowait(b)
+
+    async def acquire(self) -> T:
+        return await self._free.get()
+
+    def release(self, buf: T) -> None:
+        assert id(buf) in self._all, f"buffer returned to the wrong pool {self.name!r}"
+        self._free.put_nowait(buf)
+
+    @property
+    def free(self) -> int:
+        return self._free.qsize()
+
+    def check_all_returned(self) -> None:
+        if self._free.qsize() != self.size:
+            raise RuntimeError(
+                f"pool {self.name!r}: {self.size - self._free.qsize()} of {self.size} buffers "
+                "were not returned (internal error)"
+            )
+
+    def reset(self, buffers: list[T]) -> None:
+        """After a failed run: take the buffers back whatever their state."""
+        while not self._free.empty():
+            self._free.get_nowait()
+        for b in buffers:
+            self._free.put_nowait(b)

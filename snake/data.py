@@ -1,0 +1,106 @@
+"""Batches from the user's `data`: any iterable or async iterable of (inputs, targets).
+A global batch is split into `micro_batches` along dim 0."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from snake.blocking import run_blocking
+from snake.errors import DataError
+
+_END = object()
+
+
+class DataSource:
+    """One iterator over `data`, kept across `run()` calls. Sync iterators are advanced on
+    an executor thread (a DataLoader may block); async ones on the loop."""
+
+    def __init__(self, data: Any) -> None:
+        if hasattr(data, "__aiter__"):
+            self._aiter: AsyncIterator[Any] | None = data.__aiter__()
+            self._iter: Iterator[Any] | None = None
+        elif hasattr(data, "__iter__"):
+            self._aiter = None
+            self._iter = iter(data)
+        else:
+            raise DataError(
+                f"data: expected an iterable or async iterable of (inputs, targets), got {type(data).__name__}"
+            )
+        self._peeked: list[Any] = []
+        self.consumed = 0  # global batches handed out
+
+    async def next(self, executor: Executor) -> Any:
+        if self._peeked:
+            item = self._peeked.pop()
+        elif self._aiter is not None:
+            item = await anext(self._aiter, _END)
+        else:
+            assert self._iter is not None
+            it = self._iter
+            item = await run_blocking(executor, next, it, _END)
+        if item is _END:
+            raise DataError(
+                f"data: ran out after {self.consumed} global batches; give more batches "
+                "(or an endless iterator) or run fewer steps"
+            )
+        self.consumed += 1
+        return item
+
+    async def peek(self, executor: Executor) -> Any:
+        item = await self.next(executor)
+        self.consumed -= 1
+        self._peeked.append(item)
+        return item
+
+
+def split_batch(
+    item: Any,
+    *,
+    micro_batches: int,
+    device: torch.device,
+    expect_shape: torch.Size | None,
+    vocab_size: int | None,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
+    """Validate one global batch and split it: (inputs per micro-batch, targets per
+    micro-batch, target tokens). Raises DataError naming what is wrong."""
+    if not isinstance(item, tuple | list) or len(item) != 2:
+        raise DataError(f"data: each batch must be a pair (inputs, targets), got {type(item).__name__}")
+    inputs, targets = item
+    for name, x in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(x, torch.Tensor):
+            raise DataError(f"data: batch {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1:
+            raise DataError(f"data: batch {name} must have a batch dimension, got a scalar")
+        if x.is_floating_point() and not torch.isfinite(x).all():
+            raise DataError(f"data: batch {name} contains NaN or inf")
+    if targets.dtype != torch.long:
+        raise DataError(f"data: targets must be int64 token ids (torch.long), got {targets.dtype}")
+    if inputs.shape[0] != targets.shape[0]:
+        raise DataError(
+            f"data: inputs and targets disagree on the batch size: {inputs.shape[0]} vs {targets.shape[0]}"
+        )
+    b = inputs.shape[0]
+    if b % micro_batches:
+        raise DataError(
+            f"data: global batch size {b} is not divisible by micro_batches={micro_batches}; "
+            "use a batch size that is a multiple of micro_batches"
+        )
+    if expect_shape is not None and inputs.shape != expect_shape:
+        raise DataError(
+            f"data: batch inputs have shape {tuple(inputs.shape)} but the first batch had "
+            f"{tuple(expect_shape)}; snake sizes its buffers from the first batch, keep shapes fixed"
+        )
+    if vocab_size is not None and not inputs.is_floating_point() and inputs.numel():
+        lo, hi = int(inputs.min()), int(inputs.max())
+        if lo < 0 or hi >= vocab_size:
+            raise DataError(f"data: token ids must be in [0, {vocab_size}), got min {lo}, max {hi}")
+        tlo, thi = int(targets.min()), int(targets.max())
+        if tlo < 0 or thi >= vocab_size:
+            raise DataError(f"data: target ids must be in [0, {vocab_size}), got min {tlo}, max {thi}")
+    ins = tuple(c.to(device) for c in inputs.chunk(micro_batches))
+    tgs = tuple(c.to(device) for c in targets.chunk(micro_batches))
+    return ins, tgs, int(targets.numel())

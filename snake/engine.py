@@ -1,0 +1,216 @@
+"""Everything a run needs that outlives one `run()` call: stores, pools, executors,
+kernels, ledger, counters. Built once, from the model, the config and the first batch,
+before any actor starts; sized so that memory does not grow step over step."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from snake.adapters import ModelParts
+from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
+from snake.channels import Ledger
+from snake.config import Placement, SnakeConfig
+from snake.device import pin_host_memory
+from snake.io.base import TokenBucket
+from snake.kernels import Kernels
+from snake.memory import PoolSizes
+from snake.plans import DELAYED, NOW, Plans
+from snake.schedule import build_schedule, stored_outputs
+from snake.stores import TierStore, scatter
+from snake.trace import Tracer, Traffic
+
+
+class Engine:
+    def __init__(
+        self,
+        parts: ModelParts,
+        config: SnakeConfig,
+        device: torch.device,
+        *,
+        ckpt_shape: torch.Size,
+        input_shape: torch.Size,
+        offload_dir: Path,
+        tracer: Tracer,
+        data_executor: ThreadPoolExecutor,
+    ) -> None:
+        assert config.micro_batches is not None and config.alpha is not None and config.placement is not None
+        self.config = config
+        self.device = device
+        self.M = config.micro_batches
+        self.alpha = config.alpha
+        self.placement: Placement = config.placement
+        self.vertical = config.schedule == "vertical"
+        self.workers = config.optimizer_workers
+        self.pin = pin_host_memory(device)
+        self.tracer = tracer
+        self.traffic = Traffic()
+        self.ledger = Ledger()
+        self.kernels = k = Kernels(parts, config, device, self.M)
+        self.N = len(parts.blocks)
+        self.P = k.layer_params
+        self.dtype = k.dtype
+        self.stages = build_schedule(self.N, self.M, config.schedule)
+        self.S = len(self.stages)
+        self.plans = Plans(self.stages, self.N, delayed=self.alpha > 0)
+        self.ckpt_shape = ckpt_shape
+        self.input_shape = input_shape
+        self.ckpt_elems = int(torch.Size(ckpt_shape).numel())
+        self.part_sizes = (self.P - int(round(self.alpha * self.P)), int(round(self.alpha * self.P)))
+        self.next_t = 0  # next iteration to run
+        self.first_delayed = 0  # delayed steps are due from this iteration on
+        self.failed = False
+        bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None
+        use_gds = device.type == "cuda"
+        store_kw = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)
+        parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.part_sizes) if n]
+        self.stores: dict[str, TierStore] = {}
+        try:
+            self.stores["param"] = TierStore("param", self.dtype, parts_units, cpu_share=self.placement.param, **store_kw)
+            self.stores["opt"] = TierStore(
+                "opt", torch.float32, parts_units, cpu_share=self.placement.opt, comps=3, **store_kw
+            )
+            ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
+            self.stores["ckpt"] = TierStore("ckpt", self.dtype, ckpt_units, cpu_share=self.placement.ckpt, **store_kw)
+            ag = sorted((lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad")
+            self.stores["act_grad"] = TierStore(
+                "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin
+            )
+        except BaseException:
+            self.close_files()
+            raise
+        self._make_pools()
+        self._make_grads()
+        self.executors = {
+            "compute": ThreadPoolExecutor(1, thread_name_prefix="snake-compute"),
+            "copy": ThreadPoolExecutor(1, thread_name_prefix="snake-copy"),
+            "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io"),
+            "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer"),
+            "data": data_executor,
+        }
+
+    # -- setup ------------------------------------------------------------------------
+    def _make_pools(self) -> None:
+        sizes = PoolSizes()
+        st = self.stores
+
+        def host_pool(name: str, store: TierStore, count: int) -> BufferPool[HostBuffer] | None:
+            if store.max_tail_bytes == 0:
+                return None
+            return BufferPool(name, [alloc_host(store.max_tail_bytes, pin=self.pin) for _ in range(count)])
+
+        self.pools = {
+            "param_in": host_pool("param_in", st["param"], sizes.param_tails),
+            "param_out": host_pool("param_out", st["param"], self.workers),
+            "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.M + 1),
+            "ckpt_out": host_pool("ckpt_out", st["ckpt"], sizes.ckpt_tails_extra),
+            "opt": host_pool("opt", st["opt"], self.workers + sizes.opt_tails_extra),
+        }
+        self.param_slots: BufferPool[torch.Tensor] = BufferPool(
+            "device_params",
+            [torch.empty(self.P, dtype=self.dtype, device=self.device) for _ in range(sizes.device_param_slots)],
+        )
+        self.grad_slots: BufferPool[torch.Tensor] = BufferPool(
+            "device_grads", [torch.zeros(self.P, dtype=torch.float32, device=self.device) for _ in range(2)]
+        )
+        self._all_pools = [p for p in self.pools.values() if p is not None] + [self.param_slots, self.grad_slots]
+
+    def _make_grads(self) -> None:
+        """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers
+        for the now-step, plus one alpha-sized fp32 slice per layer holding the delayed
+        share until the next iteration's forward. Horizontal: an fp32 accumulator per layer
+        (ZeRO-Infinity style; the delayed share stays in it until it is stepped)."""
+        n_del = self.part_sizes[DELAYED]
+        if self.vertical:
+            self.grad_host: BufferPool[torch.Tensor] | None = BufferPool(
+                "host_grads", [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(PoolSizes().grad_buffers)]
+            )
+            self._all_pools.append(self.grad_host)
+            self.delayed_grads = [alloc_host_tensor(n_del, torch.float32, pin=False) for _ in range(self.N)]
+            self.accumulators: list[torch.Tensor] = []
+        else:
+            self.grad_host = None
+            self.delayed_grads = []
+            self.accumulators = [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(self.N)]
+
+    def load_initial_weights(self) -> None:
+        """Blocking: write every block's weights into the param and opt stores (fp32 master,
+        zero Adam moments). Called once, before the first run."""
+        parts = self.kernels.parts
+        scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
+        for layer, block in enumerate(parts.blocks):
+            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in block.parameters()])
+            off = 0
+            for part, n in enumerate(self.part_sizes):
+                if not n:
+                    continue
+                master = flat[off : off + n]
+                off += n
+                for kind, comps in (("opt", [master, None, None]), ("param", [master])):
+                    store = self.stores[kind]
+                    u = store.unit((layer, part))
+                    head = store.head(u)
+                    tail = store.tail(u, scratch) if u.tail_n else None
+                    for c, src in enumerate(comps):
+                        h = head[c]
+                        if src is None:
+                            h.zero_()
+                            if tail is not None:
+                                tail[c].zero_()
+                        else:
+                            scatter([src], [h] + ([tail[c]] if tail is not None else []))
+                    if tail is not None:
+                        store.write_tail(u, scratch)
+
+    # -- reading state back -------------------------------------------------------------
+    def master_weights(self) -> list[torch.Tensor]:
+        """Blocking: the fp32 master weights of every layer, flat (pending delayed steps
+        must have been flushed)."""
+        store = self.stores["opt"]
+        scratch = alloc_host(max(store.max_tail_bytes, 1), pin=False)
+        out = []
+        for layer in range(self.N):
+            pieces = []
+            for part, n in enumerate(self.part_sizes):
+                if not n:
+                    continue
+                u = store.unit((layer, part))
+                pieces.append(store.head(u)[0].clone())
+                if u.tail_n:
+                    store.read_tail(u, scratch)
+                    pieces.append(store.tail(u, scratch)[0].clone())
+            out.append(torch.cat(pieces))
+        return out
+
+    def unit_parts(self) -> tuple[int, int]:
+        return NOW, DELAYED
+
+    # -- end of run -------------------------------------------------------------------
+    def check_pools(self) -> None:
+        for p in self._all_pools:
+            p.check_all_returned()
+
+    def shutdown_executors(self) -> None:
+        for ex in self.executors.values():
+            ex.shutdown(wait=True, cancel_futures=True)
+
+    def close_files(self) -> None:
+        for s in getattr(self, "stores", {}).values():
+            s.close()
+
+    def close(self) -> None:
+        self.shutdown_executors()
+        self.close_files()
+
+    def offload_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.stores.values())
+
+    def cpu_store_bytes(self) -> int:
+        return sum(s.cpu_bytes() for s in self.stores.values())
+
+
+def threads_in_use() -> int:
+    return len(os.listdir("/proc/self/task"))

@@ -1,0 +1,200 @@
+"""The compute actor's work on the device: pre, block forward, head + loss, block recompute
++ backward, pre backward, and the resident (pre/post) optimizer step. Every function here
+blocks: the compute actor runs them on its executor thread, never on the event loop.
+
+Dropout masks are reproducible: each (iteration, layer, micro-batch) forks the RNG with its
+own seed, so the backward's recompute and the other schedule see the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from snake.adapters import ModelParts, block_param_names, resident_named_params
+from snake.config import SnakeConfig
+from snake.device import synchronize
+from snake.optim import adamw_step
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Call(nn.Module):
+    def __init__(self, model: nn.Module, fn) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.model, *args)
+
+
+class _BlockCall(nn.Module):
+    def __init__(self, block: nn.Module, fn) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.block = block
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.block, x)
+
+
+class Kernels:
+    def __init__(self, parts: ModelParts, config: SnakeConfig, device: torch.device, n_micro: int) -> None:
+        self.device = device
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.scale = float(config.loss_scale) if config.dtype == "float16" else 1.0
+        self.seed = config.seed
+        self.n_micro = n_micro
+        self.opt = config.optimizer
+        self.parts = parts
+        # one device "shell" block: its own weights are never used, each layer's arrive in a slot
+        shell = copy.deepcopy(parts.blocks[0]).to(device=device, dtype=self.dtype)
+        shell.train()
+        self.block = _BlockCall(shell, parts.block_fn)
+        spec = block_param_names(parts)
+        self.block_names = ["block." + n for n, _ in spec]
+        self.block_shapes = [s for _, s in spec]
+        self.block_numels = [s.numel() for s in self.block_shapes]
+        self.layer_params = sum(self.block_numels)
+        # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
+        model = parts.model
+        model.train()
+        self.pre_mod = _Call(model, parts.pre)
+        self.post_mod = _Call(model, parts.post)
+        res = resident_named_params(parts)
+        self.res_names = ["model." + n for n, _ in res]
+        self.res_master = [p.detach().to("cpu", torch.float32).clone().reshape(-1) for _, p in res]
+        self.res_shapes = [p.shape for _, p in res]
+        self.res_m = [torch.zeros_like(p) for p in self.res_master]
+        self.res_v = [torch.zeros_like(p) for p in self.res_master]
+        self.res_dev = [
+            p.detach().to(device=device, dtype=self.dtype).clone().requires_grad_(True) for _, p in res
+        ]
+        self.res_grad = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for _, p in res]
+        prefix = parts.blocks_prefix + "."
+        self.res_buffers = {
+            "model." + n: b.to(device)
+            for n, b in model.named_buffers()
+            if not n.startswith(prefix)
+        }
+
+    # -- helpers ----------------------------------------------------------------------
+    def seed_for(self, t: int, layer: int, m: int) -> int:
+        return ((self.seed * 1_000_003 + t) * 65_537 + (layer + 1)) * 4_099 + m
+
+    @contextlib.contextmanager
+    def rng(self, t: int, layer: int, m: int) -> Iterator[None]:
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(self.seed_for(t, layer, m) % (2**63))
+            yield
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [v.view(s) for v, s in zip(flat.split(self.block_numels), self.block_shapes, strict=True)]
+
+    def _res_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        d = dict(zip(self.res_names, tensors, strict=True))
+        d.update(self.res_buffers)
+        return d
+
+    def _accumulate(self, acc: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
+        for a, g in zip(acc, grads, strict=True):
+            if g is not None:
+                a.add_(g.reshape(-1).float(), alpha=1.0 / self.scale)
+
+    # -- forward ----------------------------------------------------------------------
+    def pre(self, idx: torch.Tensor, t: int, m: int) -> torch.Tensor:
+        with torch.no_grad(), self.rng(t, -1, m):
+            h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
+        out = h.to(self.dtype).contiguous()
+        synchronize(self.device)
+        return out
+
+    def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
+        with torch.no_grad(), self.rng(t, layer, m):
+            y = functional_call(self.block, dict(zip(self.block_names, self.views(slot), strict=True)), (x,))
+        y = y.contiguous()
+        synchronize(self.device)
+        return y
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor, t: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head + loss forward and backward for one micro-batch. Accumulates the resident
+        gradients; returns (loss share of this micro-batch, gradient into the last block)."""
+        h = h.detach().requires_grad_(True)
+        with torch.enable_grad(), self.rng(t, 10**6, m):
+            logits = functional_call(self.post_mod, self._res_dict(self.res_dev), (h,))
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss = loss / self.n_micro
+            grads = torch.autograd.grad(loss * self.scale, [h, *self.res_dev], allow_unused=True)
+        self._accumulate(self.res_grad, grads[1:])
+        gh = grads[0]
+        assert gh is not None
+        gh = gh.to(self.dtype).contiguous()
+        synchronize(self.device)
+        return loss.detach(), gh
+
+    # -- backward ---------------------------------------------------------------------
+    def block_bwd(
+        self,
+        slot: torch.Tensor,
+        x: torch.Tensor,
+        gy: torch.Tensor,
+        acc: torch.Tensor,
+        *,
+        t: int,
+        layer: int,
+        m: int,
+        accumulate: bool,
+    ) -> torch.Tensor:
+        """Recompute the block from its input checkpoint, backprop `gy`; add (or copy) the
+        fp32 parameter gradient into `acc`; return the gradient into the block's input."""
+        params = [v.detach().requires_grad_(True) for v in self.views(slot)]
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad(), self.rng(t, layer, m):
+            y = functional_call(self.block, dict(zip(self.block_names, params, strict=True)), (x,))
+            grads = torch.autograd.grad(y, [x, *params], grad_outputs=gy, allow_unused=True)
+        for a, g in zip(acc.split(self.block_numels), grads[1:], strict=True):
+            if g is None:
+                if not accumulate:
+                    a.zero_()
+            elif accumulate:
+                a.add_(g.reshape(-1).float(), alpha=1.0 / self.scale)
+            else:
+                torch.mul(g.reshape(-1).float(), 1.0 / self.scale, out=a)
+        gx = grads[0]
+        assert gx is not None
+        gx = gx.contiguous()
+        synchronize(self.device)
+        return gx
+
+    def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
+        with torch.enable_grad(), self.rng(t, -1, m):
+            h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
+            grads = torch.autograd.grad(h.to(self.dtype), self.res_dev, grad_outputs=gh, allow_unused=True)
+        self._accumulate(self.res_grad, grads)
+        synchronize(self.device)
+
+    # -- resident optimizer step --------------------------------------------------------
+    def resident_step(self, step: int) -> None:
+        grads = [g.to("cpu") for g in self.res_grad]
+        adamw_step(self.res_master, grads, self.res_m, self.res_v, step=step, opt=self.opt)
+        with torch.no_grad():
+            for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
+                dev.copy_(master.view(shape))
+        for g in self.res_grad:
+            g.zero_()
+        synchronize(self.device)
+
+    def resident_state(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights of pre/post by parameter name (without the 'model.' prefix)."""
+        return {
+            n[len("model.") :]: m.view(s).clone()
+            for n, m, s in zip(self.res_names, self.res_master, self.res_shapes, strict=True)
+        }

@@ -1,0 +1,40 @@
+"""AdamW on CPU with fp32 master weights, on split (CPU head, SSD tail) element ranges."""
+
+from __future__ import annotations
+
+import torch
+
+from snake.config import AdamW
+
+
+def adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    step: int,
+    opt: AdamW,
+) -> None:
+    """One AdamW step (step count `step`, 1-based) in place, with torch's fused CPU kernel:
+    the math of `torch.optim.AdamW`. The step is element-wise, so any split of a tensor into
+    pieces gives the same result as the whole."""
+    keep = [i for i, p in enumerate(params) if p.numel()]
+    if not keep:
+        return
+    steps = [torch.tensor(float(step)) for _ in keep]
+    torch._fused_adamw_(
+        [params[i] for i in keep],
+        [grads[i] for i in keep],
+        [exp_avgs[i] for i in keep],
+        [exp_avg_sqs[i] for i in keep],
+        [],
+        steps,
+        lr=opt.lr,
+        beta1=opt.betas[0],
+        beta2=opt.betas[1],
+        weight_decay=opt.weight_decay,
+        eps=opt.eps,
+        amsgrad=False,
+        maximize=False,
+    )

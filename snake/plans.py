@@ -1,0 +1,164 @@
+"""What each mover does, in which order, and from which published stage on (pure, no torch).
+
+Stages are numbered globally: g = iteration * S + stage.index, S stages per iteration.
+Each operation has a start stage (need minus lead, GreedySnake 4.2-4.4) and a sort key
+that also respects its dependencies, so a mover working through its plan in order never
+waits on something queued behind itself:
+
+  h2d        param / ckpt / act_grad to the device: one stage ahead (g - 1), in the order
+             the compute actor consumes them.
+  ssd_read   param tails two stages ahead; ckpt tails one stage ahead; optimizer-state
+             tails one stage before their optimizer step. A forward param read also waits
+             for the optimizer steps that produce it (now-step of the last iteration,
+             delayed step of this one), so it is ordered after their state reads.
+  optimizer  now-step of layer l (1 - alpha of it) as soon as l's gradient is complete
+             (its last backward stage); the delayed alpha share in the next iteration,
+             two stages before l's forward (and never before the now-step it follows).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from snake.schedule import Load, Stage, device_loads, fwd_stage_of, last_bwd_stage_of
+
+PARAM_LEAD = 2
+CKPT_LEAD = 1
+H2D_LEAD = 1
+DELAYED_LEAD = 2
+NOW, DELAYED = 0, 1  # parameter / optimizer-state parts of a layer
+
+StepKind = Literal["now", "delayed"]
+
+
+@dataclass(frozen=True, slots=True)
+class H2DOp:
+    t: int
+    g: int  # global need stage
+    load: Load
+
+    @property
+    def start(self) -> int:
+        return self.g - H2D_LEAD
+
+
+@dataclass(frozen=True, slots=True)
+class StepOp:
+    """An optimizer step of one part of one layer, in iteration `t` (where it runs).
+    now: grads of iteration t; delayed: grads of iteration t - 1. `step` is the AdamW
+    step count it applies (1-based)."""
+
+    t: int
+    layer: int
+    kind: StepKind
+    key: float
+
+    @property
+    def part(self) -> int:
+        return NOW if self.kind == "now" else DELAYED
+
+    @property
+    def step(self) -> int:
+        return self.t + 1 if self.kind == "now" else self.t
+
+    @property
+    def grads_of(self) -> int:
+        return self.t if self.kind == "now" else self.t - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """SSD -> CPU staging of one unit's tail, for a consumer ("h2d" or "optimizer")."""
+
+    t: int
+    kind: Literal["param", "ckpt", "opt"]
+    unit: tuple[int, ...]
+    need_version: int
+    start: float
+    tag: tuple  # the consumer's message key for this tail
+    sort: tuple
+
+
+class Plans:
+    def __init__(self, stages: tuple[Stage, ...], n_layers: int, *, delayed: bool) -> None:
+        self.stages = stages
+        self.S = len(stages)
+        self.n_layers = n_layers
+        self.delayed = delayed
+        self.loads = device_loads(stages, n_layers)
+        self.fwd = {layer: fwd_stage_of(stages, layer) for layer in range(n_layers)}
+        self.last_bwd = {layer: last_bwd_stage_of(stages, layer) for layer in range(n_layers)}
+
+    # optimizer ------------------------------------------------------------------------
+    def key_now(self, t: int, layer: int) -> float:
+        return t * self.S + self.last_bwd[layer]
+
+    def key_delayed(self, t: int, layer: int) -> float:
+        return max(t * self.S + self.fwd[layer] - DELAYED_LEAD, self.key_now(t - 1, layer))
+
+    def has_delayed(self, t: int, first_delayed: int) -> bool:
+        return self.delayed and t >= max(1, first_delayed)
+
+    def steps(self, t: int, layers: list[int], first_delayed: int) -> list[StepOp]:
+        ops = [StepOp(t, layer, "now", self.key_now(t, layer)) for layer in layers]
+        if self.has_delayed(t, first_delayed):
+            ops += [StepOp(t, layer, "delayed", self.key_delayed(t, layer)) for layer in layers]
+        return sorted(ops, key=lambda o: (o.key, o.part, o.layer))
+
+    def worker_plan(self, iterations: range, layers: list[int], first_delayed: int) -> Iterator[StepOp]:
+        for t in iterations:
+            yield from self.steps(t, layers, first_delayed)
+
+    # h2d ------------------------------------------------------------------------------
+    def h2d_plan(self, iterations: range) -> Iterator[H2DOp]:
+        for t in iterations:
+            for ld in self.loads:
+                yield H2DOp(t, t * self.S + ld.need, ld)
+
+    # ssd_read -------------------------------------------------------------------------
+    def read_plan(
+        self,
+        iterations: range,
+        has_tail: Callable[[str, tuple[int, ...]], bool],
+        first_delayed: int,
+    ) -> Iterator[ReadOp]:
+        per_iter = (self._reads(t, has_tail, first_delayed) for t in iterations)
+        return heapq.merge(*per_iter, key=lambda op: op.sort)
+
+    def _reads(self, t: int, has_tail: Callable[[str, tuple[int, ...]], bool], first_delayed: int) -> list[ReadOp]:
+        ops: list[ReadOp] = []
+        seq = 0
+        for step in self.steps(t, list(range(self.n_layers)), first_delayed):
+            unit = (step.layer, step.part)
+            if has_tail("opt", unit):
+                start = step.key - 1
+                tag = ("tail", "opt", unit, step.t, step.kind)
+                sort = (start, 0, step.key, step.part, step.layer)
+                ops.append(ReadOp(t, "opt", unit, step.step - 1, start, tag, sort))
+                seq += 1
+        for ld in self.loads:
+            g = t * self.S + ld.need
+            if ld.kind == "param":
+                start: float = g - PARAM_LEAD
+                stage = self.stages[ld.need]
+                if stage.phase == "fwd" and stage.index == self.fwd[ld.layer]:
+                    start = max(start, self.key_now(t - 1, ld.layer))
+                    if self.has_delayed(t, first_delayed):
+                        start = max(start, self.key_delayed(t, ld.layer))
+                for part in (NOW, DELAYED):
+                    unit = (ld.layer, part)
+                    if has_tail("param", unit):
+                        tag = ("tail", "param", unit, g)
+                        ops.append(ReadOp(t, "param", unit, t, start, tag, (start, 1, g, seq, 0)))
+                        seq += 1
+            elif ld.kind == "ckpt":
+                unit = (ld.layer, ld.micro_batch)
+                if has_tail("ckpt", unit):
+                    start = g - CKPT_LEAD
+                    tag = ("tail", "ckpt", unit, g)
+                    ops.append(ReadOp(t, "ckpt", unit, t + 1, start, tag, (start, 1, g, seq, 0)))
+                    seq += 1
+        return sorted(ops, key=lambda op: op.sort)

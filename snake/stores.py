@@ -1,0 +1,137 @@
+"""Where every offloaded tensor lives: one `TierStore` per kind, splitting each unit between
+a CPU-resident head and an SSD-resident tail.
+
+A unit is a flat run of `n` elements (per component: optimizer units have three, master,
+m and v, that share one split). Its first `k = round(cpu_share * n)` elements live in CPU
+memory; the rest in one ALIGN-aligned region of the kind's file under offload_dir. Loads
+and stores move whole units, heads by memcpy and tails by one pread/pwrite each. This is
+the one mapping a data-parallel rank or pipeline stage could later own a slice of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from snake.buffers import HostBuffer, alloc_host_tensor
+from snake.io import ALIGN, StorageFile, align_up, open_storage
+from snake.io.base import TokenBucket
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    key: Hashable
+    n: int  # elements per component
+    k: int  # elements per component in CPU memory
+    comps: int
+    head_offset: int  # element offset of the head in the CPU tensor
+    file_offset: int  # byte offset of the tail in the file (ALIGN-aligned)
+
+    @property
+    def tail_n(self) -> int:
+        return self.n - self.k
+
+    def tail_elems(self) -> int:
+        return self.comps * (self.n - self.k)
+
+
+class TierStore:
+    """Units of one kind. `cpu` holds all heads; `file` holds all tails (if any)."""
+
+    def __init__(
+        self,
+        kind: str,
+        dtype: torch.dtype,
+        sizes: Iterable[tuple[Hashable, int]],
+        *,
+        cpu_share: float,
+        comps: int = 1,
+        directory: Path | None = None,
+        pin: bool = False,
+        bucket: TokenBucket | None = None,
+        use_gds: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.dtype = dtype
+        self.comps = comps
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.units: dict[Hashable, Unit] = {}
+        head = 0
+        off = 0
+        for key, n in sizes:
+            k = n if cpu_share >= 1.0 else int(round(cpu_share * n))
+            u = Unit(key, n, k, comps, head, off)
+            self.units[key] = u
+            head += comps * k
+            off += align_up(u.tail_elems() * self.esize) if u.tail_n else 0
+        self.cpu = alloc_host_tensor(head, dtype, pin=pin)
+        self.file_bytes = off
+        self.file: StorageFile | None = None
+        if off:
+            assert directory is not None
+            self.file = open_storage(directory / f"{kind}.bin", off, bucket=bucket, use_gds=use_gds)
+        self.max_tail_bytes = max((u.tail_elems() * self.esize for u in self.units.values()), default=0)
+
+    def unit(self, key: Hashable) -> Unit:
+        return self.units[key]
+
+    def has_tail(self, key: Hashable) -> bool:
+        u = self.units.get(key)
+        return u is not None and u.tail_n > 0
+
+    def head(self, u: Unit) -> torch.Tensor:
+        """(comps, k) view of the unit's CPU part."""
+        return self.cpu[u.head_offset : u.head_offset + u.comps * u.k].view(u.comps, u.k)
+
+    def tail(self, u: Unit, buf: HostBuffer) -> torch.Tensor:
+        """(comps, n - k) view of a staging buffer holding the unit's SSD part."""
+        return buf.view(self.dtype, u.tail_elems()).view(u.comps, u.tail_n)
+
+    def tail_bytes(self, u: Unit) -> int:
+        return u.tail_elems() * self.esize
+
+    def head_bytes(self, u: Unit) -> int:
+        return u.comps * u.k * self.esize
+
+    def read_tail(self, u: Unit, buf: HostBuffer) -> None:
+        """Blocking: SSD -> staging buffer."""
+        assert self.file is not None and u.tail_n
+        self.file.pread(buf.memoryview(self.tail_bytes(u)), u.file_offset)
+
+    def write_tail(self, u: Unit, buf: HostBuffer) -> None:
+        """Blocking: staging buffer -> SSD."""
+        assert self.file is not None and u.tail_n
+        self.file.pwrite(buf.memoryview(self.tail_bytes(u)), u.file_offset)
+
+    def cpu_bytes(self) -> int:
+        return int(self.cpu.numel()) * self.esize
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def scatter(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+    """Copy the concatenation of `src` into the concatenation of `dst` (equal total length),
+    converting dtypes, without materialising either concatenation."""
+    i = j = 0
+    si = di = 0
+    while i < len(src) and j < len(dst):
+        s, d = src[i], dst[j]
+        n = min(s.numel() - si, d.numel() - di)
+        if n:
+            d[di : di + n].copy_(s[si : si + n])
+        si += n
+        di += n
+        if si == s.numel():
+            i, si = i + 1, 0
+        if di == d.numel():
+            j, di = j + 1, 0
+    assert sum(t.numel() for t in src[i:]) - si <= 0 and sum(t.numel() for t in dst[j:]) - di <= 0
+
+
+ALIGNMENT = ALIGN

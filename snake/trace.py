@@ -1,0 +1,146 @@
+"""Per-actor traces (Chrome / Perfetto JSON, one track per actor) and traffic counters."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TIERS = ("gpu", "cpu", "ssd")
+KINDS = ("param", "grad", "ckpt", "act_grad", "opt")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    actor: str
+    name: str
+    start_s: float
+    end_s: float
+    args: dict[str, Any]
+
+
+class Tracer:
+    """Records spans of work per actor. Keeps the newest `max_spans` (memory stays bounded
+    on long runs). Times are seconds since the tracer was made."""
+
+    def __init__(self, max_spans: int = 200_000) -> None:
+        self._t0 = time.perf_counter()
+        self.spans: deque[Span] = deque(maxlen=max_spans)
+        self._tracks: dict[str, int] = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    @contextmanager
+    def span(self, actor: str, name: str, **args: Any) -> Iterator[None]:
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(actor, name, start, self.now(), **args)
+
+    def add(self, actor: str, name: str, start_s: float, end_s: float, **args: Any) -> None:
+        if actor not in self._tracks:
+            self._tracks[actor] = len(self._tracks) + 1
+        self.spans.append(Span(actor, name, start_s, end_s, args))
+
+    def chrome(self) -> dict[str, Any]:
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "snake"}}
+        ]
+        for actor, tid in self._tracks.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": actor}})
+            events.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}}
+            )
+        for s in self.spans:
+            events.append(
+                {
+                    "name": s.name,
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": self._tracks[s.actor],
+                    "ts": s.start_s * 1e6,
+                    "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
+                    "args": s.args,
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.chrome()))
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(list(self.spans))
+
+
+def summarize(spans: list[Span]) -> dict[str, Any]:
+    """Busy fraction per actor over the traced wall time, and bytes and bandwidth per link
+    (`src->dst`: while busy, and averaged over the wall time)."""
+    if not spans:
+        return {"wall_s": 0.0, "actors": {}, "links": {}}
+    t0 = min(s.start_s for s in spans)
+    t1 = max(s.end_s for s in spans)
+    wall = max(t1 - t0, 1e-9)
+    busy: dict[str, float] = defaultdict(float)
+    links: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "busy_s": 0.0})
+    for s in spans:
+        busy[s.actor] += s.end_s - s.start_s
+        link = s.args.get("link")
+        if link:
+            links[link]["bytes"] += s.args.get("bytes", 0)
+            links[link]["busy_s"] += s.end_s - s.start_s
+    return {
+        "wall_s": wall,
+        "actors": {a: {"busy_s": b, "busy_fraction": min(b / wall, 1.0)} for a, b in sorted(busy.items())},
+        "links": {
+            k: {
+                "bytes": v["bytes"],
+                "busy_bytes_per_s": v["bytes"] / v["busy_s"] if v["busy_s"] > 0 else 0.0,
+                "avg_bytes_per_s": v["bytes"] / wall,
+            }
+            for k, v in sorted(links.items())
+        },
+    }
+
+
+def load_spans(path: str | Path) -> list[Span]:
+    """Read a trace written by `Tracer.save` back into spans."""
+    data = json.loads(Path(path).read_text())
+    names = {}
+    for e in data["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[e["tid"]] = e["args"]["name"]
+    return [
+        Span(names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {}))
+        for e in data["traceEvents"]
+        if e.get("ph") == "X"
+    ]
+
+
+class Traffic:
+    """Bytes moved per (src tier, dst tier, kind), attributed to the iteration an operation
+    belongs to. `last()` is the last finished iteration's counts."""
+
+    def __init__(self) -> None:
+        self._by_iter: dict[int, dict[tuple[str, str, str], int]] = defaultdict(lambda: defaultdict(int))
+        self._last: dict[tuple[str, str, str], int] = {}
+
+    def add(self, iteration: int, src: str, dst: str, kind: str, nbytes: int) -> None:
+        assert src in TIERS and dst in TIERS and kind in KINDS, (src, dst, kind)
+        if nbytes:
+            self._by_iter[iteration][(src, dst, kind)] += int(nbytes)
+
+    def finish(self, iteration: int) -> None:
+        """Iteration `iteration` is done: keep its counts as `last()` and drop older ones."""
+        self._last = dict(self._by_iter.pop(iteration, {}))
+        for t in [t for t in self._by_iter if t < iteration]:
+            del self._by_iter[t]
+
+    def last(self) -> dict[tuple[str, str, str], int]:
+        return dict(self._last)

@@ -1,0 +1,209 @@
+"""`SnakeTrainer`: the public entry point. An async context manager around one engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from snake.actors.compute import StepReport
+from snake.actors.optimizer import flush_delayed
+from snake.adapters import ModelParts, block_param_names, describe
+from snake.blocking import run_blocking
+from snake.config import SnakeConfig
+from snake.data import DataSource, split_batch
+from snake.device import resolve_device
+from snake.engine import Engine
+from snake.errors import ConfigError, SnakeError
+from snake.offload_dir import DirLock, check_offload_dir
+from snake.runtime import run_iterations
+from snake.trace import Tracer
+
+log = logging.getLogger("snake")
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """steps[i]: .loss (mean over the global batch), .seconds, .tokens."""
+
+    steps: list[StepReport]
+    traffic: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.steps) / max(self.seconds, 1e-12)
+
+
+class SnakeTrainer:
+    """Trains `model` on `data` with `config`. `await run(steps)`; `run` again continues.
+
+    After a failure or a cancellation inside `run()` the trainer is closed: its in-memory
+    state is part-way through an iteration. Start a new trainer (from a checkpoint)."""
+
+    def __init__(self, model: nn.Module | ModelParts, *, data: Any, config: SnakeConfig) -> None:
+        if not isinstance(config, SnakeConfig):
+            raise ConfigError("config", type(config).__name__, "must be a snake.SnakeConfig")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.offload_dir = check_offload_dir(config.offload_dir)
+        self.parts = describe(model)
+        self.source = DataSource(data)
+        self.trace = Tracer()
+        self.engine: Engine | None = None
+        self._lock: DirLock | None = None
+        self._data_ex: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._broken: str | None = None
+        self._running = False
+
+    async def __aenter__(self) -> SnakeTrainer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- running ----------------------------------------------------------------------
+    async def run(self, steps: int) -> RunReport:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError("steps", steps, "must be an integer >= 1")
+        self._check_usable()
+        if self._running:
+            raise SnakeError("run: this trainer is already running; await the first run() before the next")
+        self._running = True
+        try:
+            if self.engine is None:
+                await self._setup()
+            assert self.engine is not None
+            reports = await run_iterations(self.engine, self.source, steps, vocab_size=self._vocab_size())
+        except BaseException as exc:
+            if self.engine is not None or not isinstance(exc, SnakeError):
+                self._broken = f"{type(exc).__name__}: {exc}"
+                await self._shutdown()
+            raise
+        finally:
+            self._running = False
+        return RunReport(reports, self.engine.traffic.last())
+
+    def traffic(self) -> dict[tuple[str, str, str], int]:
+        """Bytes moved in the last finished iteration, by (src tier, dst tier, kind)."""
+        return self.engine.traffic.last() if self.engine is not None else {}
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights with the keys and shapes of `model.state_dict()`."""
+        self._check_usable()
+        model = self.parts.model
+        if self.engine is None:
+            return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in model.state_dict().items()}
+        e = self.engine
+        ex = e.executors["io"]
+        await run_blocking(ex, flush_delayed, e)
+        masters = await run_blocking(ex, e.master_weights)
+        resident = e.kernels.resident_state()
+        canonical: dict[int, str] = {}
+        alias: dict[str, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            alias[name] = canonical.setdefault(id(p), name)
+        spec = block_param_names(self.parts)
+        offsets = {}
+        off = 0
+        for name, shape in spec:
+            offsets[name] = (off, shape)
+            off += shape.numel()
+        prefix = self.parts.blocks_prefix + "."
+        out: dict[str, torch.Tensor] = {}
+        for key, value in model.state_dict().items():
+            if key.startswith(prefix):
+                i_str, _, pname = key[len(prefix) :].partition(".")
+                if pname in offsets:
+                    o, shape = offsets[pname]
+                    out[key] = masters[int(i_str)][o : o + shape.numel()].view(shape).clone()
+                    continue
+            elif alias.get(key) in resident:
+                out[key] = resident[alias[key]].clone()
+                continue
+            out[key] = value.detach().clone()
+        return out
+
+    async def close(self) -> None:
+        """Stop threads, close files, release the offload_dir lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._shutdown()
+
+    # -- internals --------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise SnakeError(
+                f"this trainer stopped after {self._broken}; it is closed: make a new SnakeTrainer "
+                "(and load a checkpoint) to continue"
+            )
+        if self._closed:
+            raise SnakeError("this trainer is closed; make a new SnakeTrainer")
+
+    def _vocab_size(self) -> int | None:
+        cfg = getattr(self.parts.model, "config", None)
+        v = getattr(cfg, "vocab_size", None)
+        return int(v) if isinstance(v, int) else None
+
+    async def _setup(self) -> None:
+        cfg = self.config
+        self._data_ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data")
+        first = await self.source.peek(self._data_ex)
+        if cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None:
+            cfg = await self._plan(first)
+        assert cfg.micro_batches is not None
+        ins, _tgs, _ = split_batch(
+            first, micro_batches=cfg.micro_batches, device=torch.device("cpu"),
+            expect_shape=None, vocab_size=self._vocab_size(),
+        )
+        model = self.parts.model
+        with torch.no_grad():
+            mdev = next(model.parameters()).device
+            h = self.parts.pre(model, ins[0].to(mdev))
+        self._lock = DirLock(self.offload_dir)
+        self.config = cfg
+        self.engine = await run_blocking(
+            self._data_ex,
+            lambda: Engine(
+                self.parts, cfg, self.device, ckpt_shape=h.shape, input_shape=first[0].shape,
+                offload_dir=self.offload_dir, tracer=self.trace, data_executor=self._data_ex,
+            ),
+        )
+        await run_blocking(self.engine.executors["io"], self.engine.load_initial_weights)
+        log.info(
+            "snake: %d blocks x %d params, M=%d, alpha=%s, placement=%s, %s on %s, offload %.1f MiB in %s",
+            self.engine.N, self.engine.P, cfg.micro_batches, cfg.alpha, cfg.placement, cfg.schedule,
+            self.device, self.engine.offload_bytes() / 2**20, self.offload_dir,
+        )
+
+    async def _plan(self, first: Any) -> SnakeConfig:
+        try:
+            from planner.integrate import plan_for_trainer
+        except ImportError as exc:  # pragma: no cover - planner ships with snake
+            raise ConfigError("placement", None, "needs the planner package", "install snake fully") from exc
+        return await plan_for_trainer(self, first)
+
+    async def _shutdown(self) -> None:
+        e, self.engine = self.engine, None
+        if e is not None:
+            e.close()  # joins executor threads: quick, their work was awaited or is done
+        elif self._data_ex is not None:
+            self._data_ex.shutdown(wait=True, cancel_futures=True)
+        self._data_ex = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def replace_config(config: SnakeConfig, **changes: Any) -> SnakeConfig:
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,64 @@
+"""Shared test helpers: a tiny GPT, deterministic data, and the plain PyTorch reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from snake.models import GPT, GPTConfig
+
+
+def tiny_gpt(n_layer: int = 4, n_embd: int = 64, dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, vocab_size=96, block_size=32, dropout=dropout, **kw))
+
+
+def batches(n: int, batch: int, seq: int = 16, vocab: int = 96, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01):
+    """Plain PyTorch: gradient accumulation over micro-batches (loss / M) + torch AdamW."""
+    m = copy.deepcopy(model)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            logits = m(xc)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), yc.reshape(-1)) / micro
+            loss.backward()
+            loss = loss.detach()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, losses
+
+
+async def train(model, data, steps: int, **config):
+    """Run snake for `steps` and return (state_dict, run report, traffic of the last step)."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    cfg = SnakeConfig(device="cpu", **config)
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        report = await asyncio.wait_for(trainer.run(steps), timeout=120)
+        state = await trainer.state_dict()
+        traffic = trainer.traffic()
+    return state, report, traffic
+
+
+def assert_close_state(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")

@@ -1,0 +1,92 @@
+"""A real (small, fast) measurement, the cache, shape_of, and resolving a SnakeConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import synthetic_profile
+
+from planner import (
+    Infeasible,
+    MachineProfile,
+    Plan,
+    apply_plan,
+    measure_profile,
+    plan_for_config,
+    shape_of,
+)
+from snake.config import Placement, SnakeConfig
+from snake.errors import ConfigError
+from snake.models.gpt import GPTConfig
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=128, block_size=32)
+FAST = {"io_bytes": 16 << 20, "seconds_per_probe": 0.05}
+
+
+def test_shape_of_counts_elements():
+    s = shape_of(TINY, 3, 16, "bfloat16")
+    assert s.n_layers == 2 and s.layer_params == TINY.block_params()
+    assert s.ckpt_elems == 3 * 16 * 64 and s.tokens_per_micro == 48 and s.dtype_bytes == 2
+    # everything outside the blocks (head tied to the token embedding)
+    assert s.resident_params == TINY.num_params() - 2 * TINY.block_params()
+    with pytest.raises(ConfigError, match="seq_len"):
+        shape_of(TINY, 1, 33, "float32")
+
+
+def test_measure_profile_on_a_tiny_gpt_and_cache(tmp_path):
+    p = measure_profile(TINY, micro_batch_size=2, seq_len=32, offload_dir=tmp_path, **FAST)
+    assert isinstance(p, MachineProfile) and p.device == "cpu"
+    assert p.shape == shape_of(TINY, 2, 32, "float32")
+    for name in ("fwd_seconds", "bwd_seconds", "recompute_seconds", "pre_post_seconds"):
+        assert 0 < getattr(p, name) < 1
+    assert p.ssd_read_bytes_per_s > 1e6 and p.ssd_write_bytes_per_s > 1e6
+    assert p.adam_elems_per_s > 1e6 and p.h2d_bytes_per_s > 1e6
+    files = sorted(f.name for f in tmp_path.iterdir())
+    assert len(files) == 1 and files[0].startswith("snake-profile-") and files[0].endswith(".json")
+    cached = measure_profile(TINY, micro_batch_size=2, seq_len=32, offload_dir=tmp_path, **FAST)
+    assert cached.fwd_seconds == p.fwd_seconds
+    capped = measure_profile(
+        TINY, micro_batch_size=2, seq_len=32, offload_dir=tmp_path, remeasure=True,
+        ssd_bandwidth_bytes_per_s=50e6, **FAST,
+    )
+    assert capped.ssd_read_bytes_per_s < 60e6 and capped.ssd_write_bytes_per_s < 60e6
+    assert len(list(tmp_path.iterdir())) == 2  # another cache key; no probe file left
+
+
+def test_profile_validation_and_json_round_trip():
+    p = synthetic_profile()
+    assert MachineProfile.from_json(p.to_json()) == p
+    with pytest.raises(ConfigError, match="profile.fwd_seconds"):
+        dataclasses.replace(p, fwd_seconds=0.0)
+
+
+def test_plan_for_config_resolves_none_fields(tmp_path):
+    p = synthetic_profile()
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None,
+                      cpu_memory_bytes=16 << 30)
+    plan = plan_for_config(None, cfg, 4, 1024, "cuda", profile=p)
+    assert isinstance(plan, Plan) and plan.n_micro > 1
+    resolved = apply_plan(cfg, plan)
+    assert resolved.micro_batches == plan.n_micro and resolved.alpha == plan.alpha
+    assert resolved.placement == plan.placement
+
+
+def test_plan_for_config_keeps_fields_that_are_set(tmp_path):
+    p = synthetic_profile()
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=3, placement=None, alpha=0.2)
+    plan = plan_for_config(None, cfg, 4, 1024, "cuda", profile=p)
+    assert plan.n_micro == 3 and plan.alpha == 0.2
+    small = dataclasses.replace(cfg, cpu_memory_bytes=1 << 30, placement=Placement.all_ssd())
+    r = plan_for_config(None, small, 4, 1024, "cuda", profile=p)
+    assert isinstance(r, Infeasible) and r.resource == "cpu_memory"
+
+
+def test_plan_for_config_measures_a_gpt(tmp_path):
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None)
+    # measured once here with the fast settings; plan_for_config then finds the cache
+    measure_profile(TINY, micro_batch_size=2, seq_len=32, offload_dir=tmp_path, **FAST)
+    before = sorted(tmp_path.iterdir())
+    plan = plan_for_config(TINY, cfg, 2, 32, "cpu")
+    assert isinstance(plan, Plan)
+    assert sorted(tmp_path.iterdir()) == before

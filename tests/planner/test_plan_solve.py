@@ -1,0 +1,148 @@
+"""The LP on synthetic profiles: placements, monotonicity, infeasibility, Plan fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import GiB, synthetic_profile
+
+from planner import Infeasible, Plan, predict, predict_horizontal, search, solve
+from planner.search import ALPHAS, best_alpha
+from snake.config import Placement
+from snake.memory import host_memory
+
+RESOURCES = ("compute", "adam", "h2d", "d2h", "ssd")
+
+
+def test_ample_cpu_memory_puts_everything_on_cpu():
+    p = synthetic_profile(cpu_memory_bytes=512 * GiB)
+    plan = solve(p, n_micro=4, alpha=0.1)
+    assert isinstance(plan, Plan)
+    assert plan.placement == Placement.all_cpu()
+    assert plan.ssd_bytes_per_iteration == 0
+    assert set(plan.binding) == {"compute_fwd", "compute_bwd"}
+
+
+def test_tiny_ssd_bandwidth_favours_kinds_with_most_traffic_per_byte():
+    # per byte of CPU memory and iteration: param 3 (read fwd, read bwd, write), ckpt
+    # (3n - 1) / n (write, read for the next layer, read for recompute), opt 2 (read, write)
+    p = synthetic_profile(ssd_read_bytes_per_s=1e7, ssd_write_bytes_per_s=1e7)
+    plan = solve(p, n_micro=8, alpha=0.0)
+    assert isinstance(plan, Plan)
+    x = plan.placement
+    assert x.param == 1.0
+    assert x.ckpt > 0.99
+    assert x.opt < 0.5
+    assert "cpu_memory" in plan.binding
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+@pytest.mark.parametrize("alpha", [0.0, 0.25])
+def test_more_ssd_bandwidth_never_lowers_throughput(n, alpha):
+    prev = 0.0
+    for bw in (1e7, 1e8, 5e8, 1e9, 3e9, 1e10, 1e11):
+        p = synthetic_profile(ssd_read_bytes_per_s=bw, ssd_write_bytes_per_s=bw)
+        plan = solve(p, n_micro=n, alpha=alpha)
+        assert plan.predicted_tokens_per_s >= prev * (1 - 1e-6)
+        prev = plan.predicted_tokens_per_s
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"cpu_memory_bytes": 256 * GiB, "adam_elems_per_s": 1e8}, {"ssd_read_bytes_per_s": 5e8}],
+)
+def test_more_micro_batches_never_lower_throughput_until_saturation(changes):
+    # saturation: the n that Algorithm 1 stops at; beyond it, more checkpoint memory may
+    # push optimizer states to SSD and throughput may fall slowly
+    p = synthetic_profile(**changes)
+    compute = p.shape.tokens_per_micro / (
+        p.shape.n_layers * (p.fwd_seconds + p.recompute_seconds + p.bwd_seconds) + p.pre_post_seconds
+    )
+    saturated = search(p, max_n=32)
+    curve = [best_alpha(p, n, alphas=ALPHAS) for n in range(1, 33)]
+    tput = [r.predicted_tokens_per_s for r in curve if isinstance(r, Plan)]
+    for n in range(1, saturated.n_micro):
+        assert tput[n] >= tput[n - 1] * (1 - 1e-6)
+    assert saturated.predicted_tokens_per_s >= 0.97 * max(tput)
+    assert max(tput) <= compute * (1 + 1e-9)
+
+
+def test_delayed_step_helps_when_only_adam_binds():
+    p = synthetic_profile(cpu_memory_bytes=256 * GiB, adam_elems_per_s=1e8)
+    none = solve(p, n_micro=8, alpha=0.0)
+    some = solve(p, n_micro=8, alpha=0.3)
+    assert "adam_bwd" in none.binding
+    assert some.predicted_iteration_seconds < none.predicted_iteration_seconds
+
+
+def test_infeasible_cpu_memory_names_resource_and_amount():
+    p = synthetic_profile(cpu_memory_bytes=1 * GiB)
+    r = solve(p, n_micro=1, alpha=0.0)
+    assert isinstance(r, Infeasible)
+    assert r.resource == "cpu_memory" and r.unit == "bytes" and r.short_by > 0
+    assert r.message.startswith("CPU memory: need ") and "n=1" in r.message
+    assert "have 1.00 GiB" in str(r)
+    need = host_memory(p.shape, n_micro=1, alpha=0.0, schedule="vertical", workers=2)
+    assert r.short_by == pytest.approx(need.fixed_bytes - 1 * GiB)
+
+
+def test_infeasible_device_memory():
+    p = synthetic_profile(device_memory_bytes=0.1 * GiB)
+    r = solve(p, n_micro=2, alpha=0.0)
+    assert isinstance(r, Infeasible)
+    assert r.resource == "device_memory" and r.short_by > 0
+    assert r.message.startswith("device memory: need ")
+
+
+def test_cpu_device_working_set_comes_off_the_host_budget():
+    cuda = synthetic_profile(cpu_memory_bytes=12 * GiB)
+    cpu = dataclasses.replace(cuda, device="cpu")
+    a, b = solve(cuda, n_micro=4, alpha=0.0), solve(cpu, n_micro=4, alpha=0.0)
+    assert b.host_memory_bytes < a.host_memory_bytes
+
+
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_plan_fields_are_consistent(schedule, n):
+    p = synthetic_profile()
+    plan = solve(p, n_micro=n, alpha=0.2 if schedule == "vertical" else 0.0, schedule=schedule)
+    assert isinstance(plan, Plan)
+    assert plan.n_micro == n and plan.schedule == schedule
+    for share in (plan.placement.param, plan.placement.ckpt, plan.placement.opt):
+        assert 0.0 <= share <= 1.0
+    assert plan.binding and all(b == "cpu_memory" or b.split("_")[0] in RESOURCES for b in plan.binding)
+    assert plan.host_memory_bytes <= p.cpu_memory_bytes * (1 + 1e-9)
+    counts = {"fwd_first": 1, "fwd": n - 1 if schedule == "horizontal" else 1,
+              "bwd": n - 1 if schedule == "horizontal" else 1, "bwd_last": 1}
+    layer = sum(counts[k] * v for k, v in plan.layer_seconds.items())
+    expect = p.shape.n_layers * layer + n * p.pre_post_seconds
+    assert plan.predicted_iteration_seconds == pytest.approx(expect)
+    assert plan.predicted_tokens_per_s == pytest.approx(n * p.shape.tokens_per_micro / expect)
+    again = predict(p, n, plan.placement, plan.alpha, schedule)
+    assert again == pytest.approx(plan.predicted_iteration_seconds)
+
+
+def test_fixed_placement_is_kept_or_reported_infeasible():
+    p = synthetic_profile()
+    fixed = Placement(param=1.0, ckpt=0.5, opt=0.1)
+    plan = solve(p, n_micro=4, alpha=0.1, placement=fixed)
+    assert plan.placement == fixed
+    r = solve(p, n_micro=4, alpha=0.1, placement=Placement.all_cpu())
+    assert isinstance(r, Infeasible) and "placement param=1" in r.message
+
+
+def test_horizontal_is_not_faster_than_vertical_with_many_micro_batches():
+    p = synthetic_profile()
+    plan = solve(p, n_micro=8, alpha=0.0)
+    assert predict_horizontal(p, 8, plan.placement) > plan.predicted_iteration_seconds
+
+
+def test_bad_arguments_raise():
+    p = synthetic_profile()
+    with pytest.raises(ValueError, match="alpha"):
+        solve(p, n_micro=1, alpha=1.0)
+    with pytest.raises(ValueError, match="n_micro"):
+        solve(p, n_micro=0, alpha=0.0)
+    with pytest.raises(ValueError, match="schedule"):
+        solve(p, n_micro=1, alpha=0.0, schedule="diagonal")
