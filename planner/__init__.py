@@ -7,7 +7,7 @@
 GreedySnake section 4.5 and Algorithm 1; the time model is in `planner/model.py`.
 """
 
-from planner.integrate import apply_plan, plan_for_config
+from planner.integrate import apply_plan, plan_for_batch, plan_for_config, plan_for_trainer
 from planner.profile import MachineProfile, measure_profile, shape_of
 from planner.roofline import roofline
 from planner.search import search
@@ -19,7 +19,9 @@ __all__ = [
     "Plan",
     "apply_plan",
     "measure_profile",
+    "plan_for_batch",
     "plan_for_config",
+    "plan_for_trainer",
     "predict",
     "predict_horizontal",
     "roofline",

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import re
 import sys
+from typing import Any
 
 from planner.profile import MachineProfile, measure_profile
 from planner.roofline import plot_roofline, roofline
@@ -43,15 +44,16 @@ def parse_model(text: str) -> GPTConfig:
     kind, _, rest = text.partition(":")
     if kind != "gpt":
         raise argparse.ArgumentTypeError(f"model {kind!r}: only 'gpt:key=value,...' is known")
-    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
-    kw: dict[str, object] = {}
+    defaults = GPTConfig()
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    kw: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key not in fields:
-            raise argparse.ArgumentTypeError(f"model field {key!r} is not one of {sorted(fields)}")
-        conv = {"float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(fields[key], int)
+            raise argparse.ArgumentTypeError(f"model field {key!r} is not one of {fields}")
+        conv: Any = type(getattr(defaults, key))
         try:
-            kw[key] = conv(value)
+            kw[key] = value.lower() in ("1", "true", "yes") if conv is bool else conv(value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"model field {key}={value!r}: {e}") from e
     try:

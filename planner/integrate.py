@@ -1,6 +1,12 @@
 """Resolving a SnakeConfig's `None` fields (micro_batches, placement, alpha) with a plan.
 
-A trainer does, before any actor starts:
+Two situations:
+- the micro-batch size is given and n grows the global batch (GreedySnake's Algorithm 1,
+  `snake plan`): `plan_for_config(model_cfg, config, micro_batch_size, seq_len, device)`;
+- the data fixes the global batch B (the trainer): n must divide B and the micro-batch is
+  B / n: `plan_for_batch(model_cfg, config, B, seq_len, device)`; the trainer's hook
+  `await plan_for_trainer(trainer, first_batch)` does this off the event loop and returns
+  the resolved SnakeConfig.
 
     plan = plan_for_config(model.config, config, micro_batch_size, seq_len, device)
     if isinstance(plan, Infeasible):
@@ -11,12 +17,14 @@ A trainer does, before any actor starts:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from planner.profile import MachineProfile, measure_profile
 from planner.search import search
 from planner.solve import Infeasible, Plan
 from snake.config import SnakeConfig
+from snake.errors import ConfigError
 from snake.memory import ModelShape
 
 if TYPE_CHECKING:  # importing the model pulls in torch; the planner's core does not need it
@@ -52,12 +60,12 @@ def profile_for_config(
 
 def with_budgets(profile: MachineProfile, config: SnakeConfig) -> MachineProfile:
     """The profile with config.cpu_memory_bytes / device_memory_bytes where they are set."""
-    changes = {}
-    if config.cpu_memory_bytes is not None:
-        changes["cpu_memory_bytes"] = float(config.cpu_memory_bytes)
-    if config.device_memory_bytes is not None:
-        changes["device_memory_bytes"] = float(config.device_memory_bytes)
-    return dataclasses.replace(profile, **changes)
+    cpu, dev = config.cpu_memory_bytes, config.device_memory_bytes
+    return dataclasses.replace(
+        profile,
+        cpu_memory_bytes=profile.cpu_memory_bytes if cpu is None else float(cpu),
+        device_memory_bytes=profile.device_memory_bytes if dev is None else float(dev),
+    )
 
 
 def plan_for_config(
@@ -93,3 +101,88 @@ def apply_plan(config: SnakeConfig, plan: Plan) -> SnakeConfig:
     return dataclasses.replace(
         config, micro_batches=plan.n_micro, placement=plan.placement, alpha=plan.alpha
     )
+
+
+MEASURE_MICRO_BATCH = 8  # plan_for_batch times blocks at a micro-batch of at most this many
+
+
+def scale_profile(profile: MachineProfile, ratio: float) -> MachineProfile:
+    """The profile at `ratio` x the micro-batch size: per-micro-batch times and checkpoint
+    sizes scale linearly (an approximation: small micro-batches use the device less well)."""
+    s = profile.shape
+    shape = dataclasses.replace(
+        s, ckpt_elems=round(s.ckpt_elems * ratio), tokens_per_micro=round(s.tokens_per_micro * ratio)
+    )
+    return dataclasses.replace(
+        profile, shape=shape, fwd_seconds=profile.fwd_seconds * ratio,
+        bwd_seconds=profile.bwd_seconds * ratio, recompute_seconds=profile.recompute_seconds * ratio,
+        pre_post_seconds=profile.pre_post_seconds * ratio,
+    )
+
+
+def plan_for_batch(
+    model: GPTConfig | ModelShape,
+    config: SnakeConfig,
+    global_batch_size: int,
+    seq_len: int,
+    device: str = "cpu",
+    *,
+    profile: MachineProfile | None = None,
+    max_n: int = 64,
+) -> Plan | Infeasible:
+    """Plan for a fixed global batch: n among the divisors of global_batch_size (<= max_n),
+    micro-batch = global_batch_size / n; the smallest n within 1 % of the best throughput.
+
+    profile: measured at any micro-batch size (default: measured here at the largest
+    micro-batch <= MEASURE_MICRO_BATCH that divides the batch); it is rescaled per n."""
+    b = global_batch_size
+    if config.micro_batches is not None:
+        if b % config.micro_batches:
+            raise ConfigError("micro_batches", config.micro_batches, f"must divide the batch of {b}")
+        ns = [config.micro_batches]
+    else:
+        ns = [n for n in range(1, min(b, max_n) + 1) if b % n == 0]
+    if profile is None:
+        mb0 = max(b // n for n in range(1, b + 1) if b % n == 0 and b // n <= MEASURE_MICRO_BATCH)
+        profile = profile_for_config(model, config, mb0, seq_len, device)
+    else:
+        profile = with_budgets(profile, config)
+    mb_measured = profile.shape.tokens_per_micro / seq_len
+    best: Plan | None = None
+    short: Infeasible | None = None
+    for n in ns:
+        scaled = dataclasses.replace(config, micro_batches=n)
+        r = plan_for_config(model, scaled, b // n, seq_len, device,
+                            profile=scale_profile(profile, (b // n) / mb_measured))
+        if isinstance(r, Infeasible):
+            short = short or r
+        elif best is None or r.predicted_tokens_per_s > 1.01 * best.predicted_tokens_per_s:
+            best = r
+    if best is None:
+        assert short is not None
+        return short
+    return best
+
+
+async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
+    """The trainer's hook: resolve trainer.config's None fields for the first global batch
+    `first = (inputs, targets)`. Measures on a thread of its own (seconds, once per machine
+    and shape; cached in offload_dir). Raises ConfigError when nothing fits."""
+    from snake.blocking import run_blocking
+    from snake.models.gpt import GPT
+
+    config: SnakeConfig = trainer.config
+    model = trainer.parts.model
+    if not isinstance(model, GPT):
+        raise ConfigError(
+            "placement", None, "can only be planned for the built-in GPT so far",
+            "set micro_batches, placement and alpha explicitly",
+        )
+    b, t = int(first[0].shape[0]), int(first[0].shape[1])
+    with ThreadPoolExecutor(1, thread_name_prefix="snake-planner") as ex:
+        plan = await run_blocking(
+            ex, lambda: plan_for_batch(model.config, config, b, t, str(trainer.device))
+        )
+    if isinstance(plan, Infeasible):
+        raise ConfigError("placement", None, f"cannot be planned: {plan.message}")
+    return apply_plan(config, plan)

@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _median_seconds(
-    run: Callable[[], None], device: torch.device, seconds: float, prepare=None
+    run: Callable[[], object], device: torch.device, seconds: float, prepare=None
 ) -> float:
     """Median wall time of `run()` (after `prepare()`, untimed), repeated for ~seconds."""
     times: list[float] = []

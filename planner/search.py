@@ -70,15 +70,19 @@ def search(
     alphas = tuple(default_alphas(schedule) if alphas is None else alphas)
     if not alphas:
         raise ValueError("alphas must not be empty")
-    kw = {"alphas": alphas, "schedule": schedule, "workers": workers, "placement": placement}
+    def at(n: int) -> Plan | Infeasible:
+        return best_alpha(
+            profile, n, alphas=alphas, schedule=schedule, workers=workers, placement=placement
+        )
+
     if n_micro is not None:
-        return best_alpha(profile, n_micro, **kw)
-    best: Plan | Infeasible = best_alpha(profile, 1, **kw)
+        return at(n_micro)
+    best: Plan | Infeasible = at(1)
     if isinstance(best, Infeasible):
         return best
     misses = 0
     for n in range(2, max_n + 1):
-        r = best_alpha(profile, n, **kw)
+        r = at(n)
         if isinstance(r, Infeasible):
             break
         if r.predicted_tokens_per_s >= MIN_GAIN * best.predicted_tokens_per_s:

@@ -215,7 +215,8 @@ def solve(
     sol = _run(_lp(phases, mem, budget, placement))
     if sol is None:  # the memory check above is exact; this would be a numerical failure
         raise RuntimeError(f"HiGHS found no optimum for n={n_micro} alpha={alpha} ({schedule})")
-    x = tuple(min(1.0, max(0.0, v)) for v in sol)
+    x0, x1, x2 = (min(1.0, max(0.0, v)) for v in sol)
+    x = (x0, x1, x2)
     return make_plan(profile, phases, mem, budget, x, n_micro=n_micro, alpha=alpha, schedule=schedule)
 
 

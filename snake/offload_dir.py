@@ -5,28 +5,33 @@ from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 from snake.errors import ConfigError
 
 
 def check_offload_dir(path: str | Path) -> Path:
-    """Raise ConfigError if `path` cannot serve as offload_dir. Touches nothing."""
+    """Make sure `path` can serve as offload_dir: create it (mode 0700) if missing and
+    probe that a file can be written there. Raises ConfigError naming the problem."""
     p = Path(path).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise ConfigError("offload_dir", str(path), "is a file, not a directory", "pass a directory path")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ConfigError("offload_dir", str(path), "is not writable", "pick a directory you can write to")
-        return p
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if p.exists() and not p.is_dir():
+        raise ConfigError("offload_dir", str(path), "is a file, not a directory", "pass a directory path")
+    if not p.exists():
+        try:
+            p.mkdir(mode=0o700, parents=True)
+        except OSError as e:
+            raise ConfigError(
+                "offload_dir", str(path), f"cannot be created ({e.strerror})", "pick a location you can write to"
+            ) from e
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".snake-probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
         raise ConfigError(
-            "offload_dir", str(path), f"cannot be created: {parent} is not a writable directory",
-            "pick a location you can write to",
-        )
+            "offload_dir", str(path), f"is not writable ({e.strerror})", "pick a directory you can write to"
+        ) from e
     return p
 
 

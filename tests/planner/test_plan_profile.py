@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import types
 
 import pytest
+import torch
 from conftest import synthetic_profile
 
 from planner import (
@@ -13,12 +16,14 @@ from planner import (
     Plan,
     apply_plan,
     measure_profile,
+    plan_for_batch,
     plan_for_config,
+    plan_for_trainer,
     shape_of,
 )
 from snake.config import Placement, SnakeConfig
 from snake.errors import ConfigError
-from snake.models.gpt import GPTConfig
+from snake.models.gpt import GPT, GPTConfig
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=128, block_size=32)
 FAST = {"io_bytes": 16 << 20, "seconds_per_probe": 0.05}
@@ -90,3 +95,32 @@ def test_plan_for_config_measures_a_gpt(tmp_path):
     plan = plan_for_config(TINY, cfg, 2, 32, "cpu")
     assert isinstance(plan, Plan)
     assert sorted(tmp_path.iterdir()) == before
+
+
+def test_plan_for_batch_picks_a_divisor_of_the_global_batch(tmp_path):
+    p = synthetic_profile()  # measured at 4 x 1024 tokens per micro-batch
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None)
+    plan = plan_for_batch(None, cfg, 48, 1024, "cuda", profile=p)
+    assert isinstance(plan, Plan) and 48 % plan.n_micro == 0
+    # the checkpoints of a 48-sample batch do not fit at once: more than one micro-batch
+    one = plan_for_batch(None, dataclasses.replace(cfg, micro_batches=1), 48, 1024, "cuda", profile=p)
+    assert isinstance(one, Infeasible) or one.predicted_tokens_per_s <= plan.predicted_tokens_per_s
+    with pytest.raises(ConfigError, match="must divide"):
+        plan_for_batch(None, dataclasses.replace(cfg, micro_batches=5), 48, 1024, "cuda", profile=p)
+
+
+def test_plan_for_trainer_resolves_the_config_off_the_loop(tmp_path):
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None)
+    # the hook measures at the largest micro-batch <= 8 dividing the batch: 8; cache it fast
+    measure_profile(TINY, micro_batch_size=8, seq_len=32, offload_dir=tmp_path, **FAST)
+    trainer = types.SimpleNamespace(
+        config=cfg, parts=types.SimpleNamespace(model=GPT(TINY)), device="cpu"
+    )
+    first = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+
+    async def main() -> SnakeConfig:
+        return await asyncio.wait_for(plan_for_trainer(trainer, first), timeout=60)
+
+    resolved = asyncio.run(main())
+    assert resolved.micro_batches is not None and 8 % resolved.micro_batches == 0
+    assert resolved.placement is not None and resolved.alpha is not None

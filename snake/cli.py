@@ -1,0 +1,120 @@
+"""The `snake` command: `snake train` (an embedded default run), `snake plan`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from snake.config import AdamW, Placement, SnakeConfig
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train the built-in GPT on text shipped with Python (no download)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--embd", type=int, default=192)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--placement", default="0.5,0.5,0.5", help="CPU shares param,ckpt,opt (rest on SSD)")
+    p.add_argument("--alpha", type=float, default=0.25)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--schedule", default="vertical", choices=["vertical", "horizontal"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
+    p.add_argument("--out", default="snake-out")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _placement(text: str) -> Placement:
+    try:
+        param, ckpt, opt = (float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--placement={text!r} must be three numbers param,ckpt,opt, e.g. 0.5,0.5,0.5") from None
+    return Placement(param=param, ckpt=ckpt, opt=opt)
+
+
+async def _train(args: argparse.Namespace, offload_dir: str) -> int:
+    from snake.corpus import pydoc_bytes, random_windows
+    from snake.models import GPT, GPTConfig
+    from snake.trainer import SnakeTrainer
+
+    import torch
+
+    torch.manual_seed(args.seed)
+    mcfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
+    config = SnakeConfig(
+        micro_batches=args.micro_batches, offload_dir=offload_dir, placement=_placement(args.placement),
+        alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1), dtype=args.dtype,
+        device=args.device, schedule=args.schedule, seed=args.seed,
+    )
+    print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
+    print("config:", json.dumps({k: str(v) for k, v in asdict(config).items()}))
+    data = random_windows(pydoc_bytes(), batch=args.batch, seq=args.seq, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = []
+    async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            report = await trainer.run(1)
+            s = report.steps[0]
+            steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens})
+            ssd = sum(v for k, v in trainer.traffic().items() if "ssd" in k[:2])
+            print(
+                f"step {i + 1:4d}/{args.steps}  loss {s.loss:.4f}  {s.tokens / s.seconds:9.0f} tok/s  "
+                f"ssd {ssd / s.seconds / 2**20:7.1f} MiB/s",
+                flush=True,
+            )
+        wall = time.perf_counter() - t0
+        trainer.trace.save(out / "trace.json")
+        report_json = {
+            "model": asdict(mcfg),
+            "config": {k: str(v) for k, v in asdict(config).items()},
+            "steps": steps,
+            "wall_seconds": wall,
+            "traffic_last_step": {"/".join(k): v for k, v in trainer.traffic().items()},
+            "trace_summary": trainer.trace.summary(),
+        }
+        (out / "report.json").write_text(json.dumps(report_json, indent=2))
+    print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s; wrote {out}/trace.json, {out}/report.json")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="snake", description="train LLMs bigger than GPU memory")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _train_parser(sub)
+    sub.add_parser("plan", help="profile this machine and plan placement, alpha and micro-batches", add_help=False)
+    if argv and argv[0] == "plan":
+        from planner.cli import plan_main
+
+        return plan_main(argv[1:])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.cmd == "train":
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:  # pragma: no cover
+            runner = asyncio.run
+        if args.offload_dir:
+            return runner(_train(args, args.offload_dir))
+        with tempfile.TemporaryDirectory(prefix="snake-offload-") as d:
+            return runner(_train(args, d))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""A corpus that needs no download: the Python documentation topics that the standard
+library ships (`pydoc_data.topics`), as bytes. Byte-level: vocab 256."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def pydoc_bytes() -> torch.Tensor:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.long)
+
+
+def random_windows(
+    corpus: torch.Tensor, *, batch: int, seq: int, seed: int = 0, holdout: float = 0.05
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (inputs, targets) batches of random windows from the training part."""
+    n_train = int(len(corpus) * (1 - holdout))
+    data = corpus[:n_train]
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+        yield x[:, :-1].contiguous(), x[:, 1:].contiguous()

@@ -1,0 +1,111 @@
+"""Bad input raises a clear error naming the field, before anything starts."""
+
+import asyncio
+
+import pytest
+import torch
+
+from snake import AdamW, ConfigError, DataError, ModelError, Placement, SnakeConfig, SnakeTrainer
+from tests.helpers import batches, tiny_gpt
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (dict(micro_batches=0), "micro_batches"),
+        (dict(micro_batches=-2), "micro_batches"),
+        (dict(micro_batches=2.5), "micro_batches"),
+        (dict(alpha=1.0), "alpha"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(alpha=float("nan")), "alpha"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(schedule="diagonal"), "schedule"),
+        (dict(ssd_bandwidth_bytes_per_s=0), "ssd_bandwidth_bytes_per_s"),
+        (dict(cpu_memory_bytes=-1), "cpu_memory_bytes"),
+        (dict(optimizer_workers=0), "optimizer_workers"),
+        (dict(offload_dir=""), "offload_dir"),
+    ],
+)
+def test_config_fields(tmp_path, changes, field):
+    kw = dict(micro_batches=2, offload_dir=tmp_path)
+    kw.update(changes)
+    with pytest.raises(ConfigError) as e:
+        SnakeConfig(**kw)
+    assert e.value.field == field
+    assert field in str(e.value)
+
+
+@pytest.mark.parametrize("name,value", [("param", 1.2), ("ckpt", -0.5), ("opt", float("inf"))])
+def test_placement_outside_unit_interval(name, value):
+    with pytest.raises(ConfigError, match=rf"placement\.{name}=.*\(CPU share"):
+        Placement(**{name: value})
+
+
+@pytest.mark.parametrize("kw,field", [(dict(lr=-1.0), "optimizer.lr"), (dict(betas=(0.9, 1.5)), "optimizer.betas"), (dict(eps=0), "optimizer.eps")])
+def test_optimizer_fields(kw, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        AdamW(**kw)
+
+
+def test_cuda_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    cfg = SnakeConfig(micro_batches=1, offload_dir=tmp_path, device="cuda")
+    with pytest.raises(ConfigError, match="device"):
+        SnakeTrainer(tiny_gpt(), data=batches(1, 2), config=cfg)
+
+
+def test_offload_dir_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="offload_dir.*is a file"):
+        SnakeTrainer(tiny_gpt(), data=batches(1, 2), config=SnakeConfig(offload_dir=f))
+
+
+def test_offload_dir_cannot_be_created():
+    with pytest.raises(ConfigError, match="offload_dir.*cannot be created"):
+        SnakeTrainer(tiny_gpt(), data=batches(1, 2), config=SnakeConfig(offload_dir="/proc/snake-offload"))
+
+
+def test_model_without_blocks(tmp_path):
+    with pytest.raises(ModelError, match="ModelParts"):
+        SnakeTrainer(torch.nn.Linear(4, 4), data=batches(1, 2), config=SnakeConfig(offload_dir=tmp_path))
+
+
+def test_config_must_be_snakeconfig(tmp_path):
+    with pytest.raises(ConfigError, match="config"):
+        SnakeTrainer(tiny_gpt(), data=batches(1, 2), config={"micro_batches": 2})
+
+
+def test_data_not_iterable(tmp_path):
+    with pytest.raises(DataError, match="iterable"):
+        SnakeTrainer(tiny_gpt(), data=42, config=SnakeConfig(offload_dir=tmp_path))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "batch,match",
+    [
+        (batches(1, 6)[0], "not divisible by micro_batches=4"),
+        ((torch.zeros(4, 16, dtype=torch.long),), "pair"),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16)), "int64"),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long)), "disagree"),
+        ((torch.full((4, 16), 500), torch.zeros(4, 16, dtype=torch.long)), r"\[0, 96\)"),
+        (([1, 2], torch.zeros(4, 16, dtype=torch.long)), "torch.Tensor"),
+    ],
+)
+async def test_bad_batches_fail_before_anything_starts(tmp_path, batch, match):
+    off = tmp_path / "off"
+    cfg = SnakeConfig(micro_batches=4, offload_dir=off, device="cpu")
+    async with SnakeTrainer(tiny_gpt(), data=[batch], config=cfg) as trainer:
+        with pytest.raises(DataError, match=match):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not list(off.glob("*.bin")), "no state may be written before the input is checked"
+
+
+@pytest.mark.asyncio
+async def test_steps_must_be_positive(tmp_path):
+    async with SnakeTrainer(tiny_gpt(), data=batches(1, 2), config=SnakeConfig(offload_dir=tmp_path)) as t:
+        with pytest.raises(ConfigError, match="steps"):
+            await t.run(0)

@@ -1,0 +1,76 @@
+"""Byte counters against the formulas of GreedySnake section 3."""
+
+import pytest
+
+from snake import Placement
+from tests.helpers import batches, tiny_gpt, train
+
+N, M = 4, 4
+
+
+def _layer_bytes(model, esize=4):
+    return model.config.block_params() * esize
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule,loads", [("vertical", 2), ("horizontal", 2 * M)])
+async def test_parameter_loads_per_iteration(tmp_path, schedule, loads):
+    model = tiny_gpt(n_layer=N, bias=False)
+    _, _, traffic = await train(
+        model, batches(2, 2 * M), 2, micro_batches=M, offload_dir=tmp_path, placement=Placement.all_cpu(),
+        alpha=0.0, schedule=schedule,
+    )
+    p = _layer_bytes(model)
+    # vertical: each layer's parameters reach the device twice (forward, backward);
+    # horizontal: twice per micro-batch
+    assert traffic[("cpu", "gpu", "param")] == loads * N * p
+    # gradients: once per layer (vertical) vs once per micro-batch and layer (horizontal)
+    grad_moves = 1 if schedule == "vertical" else M
+    assert traffic[("gpu", "cpu", "grad")] == grad_moves * N * p
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("alpha", [0.0, 0.3])
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_optimizer_states_on_ssd_read_and_written_once(tmp_path, alpha, schedule):
+    model = tiny_gpt(n_layer=N, bias=False)
+    _, _, traffic = await train(
+        model, batches(3, 2 * M), 3, micro_batches=M, offload_dir=tmp_path,
+        placement=Placement(param=1.0, ckpt=1.0, opt=0.0), alpha=alpha, schedule=schedule,
+    )
+    opt_bytes = N * model.config.block_params() * 12  # master + m + v, fp32
+    assert traffic[("ssd", "cpu", "opt")] == opt_bytes
+    assert traffic[("cpu", "ssd", "opt")] == opt_bytes
+    assert ("ssd", "cpu", "param") not in traffic
+
+
+@pytest.mark.asyncio
+async def test_checkpoint_traffic_vertical(tmp_path):
+    """Vertical: every block input is offloaded once; the forward reloads all but the
+    carried one per layer after the first; the backward reloads all of them."""
+    model = tiny_gpt(n_layer=N, bias=False)
+    _, _, traffic = await train(
+        model, batches(2, 2 * M), 2, micro_batches=M, offload_dir=tmp_path,
+        placement=Placement(param=1.0, ckpt=0.5, opt=1.0), alpha=0.0,
+    )
+    ck = 2 * 16 * model.config.n_embd * 4  # micro-batch 2 x seq 16 x hidden, fp32
+    assert traffic[("gpu", "cpu", "ckpt")] == N * M * ck
+    assert traffic[("cpu", "gpu", "ckpt")] == (N - 1) * (M - 1) * ck + N * M * ck
+    ssd_share = traffic[("cpu", "ssd", "ckpt")] / traffic[("gpu", "cpu", "ckpt")]
+    assert ssd_share == pytest.approx(0.5, abs=0.01)
+    # inter-layer gradients: every one but the carried, through CPU memory only
+    assert traffic[("cpu", "gpu", "act_grad")] == N * (M - 1) * ck
+    assert not any(k[2] == "act_grad" and "ssd" in k[:2] for k in traffic)
+
+
+@pytest.mark.asyncio
+async def test_vertical_moves_less_than_horizontal(tmp_path):
+    model = tiny_gpt(n_layer=N, n_embd=128, bias=False)
+    kw = dict(micro_batches=M, placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.0)
+    _, _, tv = await train(model, batches(2, M), 2, offload_dir=tmp_path / "v", schedule="vertical", **kw)
+    _, _, th = await train(model, batches(2, M), 2, offload_dir=tmp_path / "h", schedule="horizontal", **kw)
+
+    def gpu_link(t):
+        return sum(v for (s, d, _), v in t.items() if "gpu" in (s, d))
+
+    assert gpu_link(tv) < gpu_link(th) / 2
