@@ -44,11 +44,11 @@ def _placement(text: str) -> Placement:
 
 
 async def _train(args: argparse.Namespace, offload_dir: str) -> int:
+    import torch
+
     from snake.corpus import pydoc_bytes, random_windows
     from snake.models import GPT, GPTConfig
     from snake.trainer import SnakeTrainer
-
-    import torch
 
     torch.manual_seed(args.seed)
     mcfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
@@ -61,7 +61,6 @@ async def _train(args: argparse.Namespace, offload_dir: str) -> int:
     print("config:", json.dumps({k: str(v) for k, v in asdict(config).items()}))
     data = random_windows(pydoc_bytes(), batch=args.batch, seq=args.seq, seed=args.seed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     steps = []
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
         t0 = time.perf_counter()
@@ -103,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cmd == "train":
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         try:
             import uvloop
 

@@ -85,7 +85,7 @@ class Compute(Actor):
                     e.param_slots.release(params.slot)
             self.at(t)
             await self._k("resident step", e.kernels.resident_step, t + 1)
-            loss = await self._k("loss", lambda: float(torch.stack(losses).sum().item()))
+            loss = await self._k("loss", _total, losses)
             self.reports.append(StepReport(t, loss, time.perf_counter() - t0, batch.tokens))
         await self.d2h.put(Stop(self.name))
 
@@ -170,3 +170,7 @@ class Compute(Actor):
         if acc is not None:
             await self.d2h.put(GradsProduced(t, layer, -1, acc, True, True))
         return out_carry
+
+
+def _total(losses: list[torch.Tensor]) -> float:
+    return float(torch.stack(losses).sum().item())
