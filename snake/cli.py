@@ -12,6 +12,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 from snake.config import AdamW, Placement, SnakeConfig
 
 
@@ -44,10 +47,10 @@ def _placement(text: str) -> Placement:
 
 
 async def _train(args: argparse.Namespace, offload_dir: str) -> int:
-    import torch
 
     from snake.corpus import pydoc_bytes, random_windows
     from snake.models import GPT, GPTConfig
+    from snake.timeline import plot_timeline
     from snake.trainer import SnakeTrainer
 
     torch.manual_seed(args.seed)
@@ -61,31 +64,86 @@ async def _train(args: argparse.Namespace, offload_dir: str) -> int:
     print("config:", json.dumps({k: str(v) for k, v in asdict(config).items()}))
     data = random_windows(pydoc_bytes(), batch=args.batch, seq=args.seq, seed=args.seed)
     out = Path(args.out)
-    steps = []
+    steps: list[dict] = []
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
-        t0 = time.perf_counter()
-        for i in range(args.steps):
-            report = await trainer.run(1)
-            s = report.steps[0]
+        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+        links: dict[str, str] = {}
+
+        def on_step(s) -> None:  # type: ignore[no-untyped-def]
             steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens})
-            ssd = sum(v for k, v in trainer.traffic().items() if "ssd" in k[:2])
-            print(
-                f"step {i + 1:4d}/{args.steps}  loss {s.loss:.4f}  {s.tokens / s.seconds:9.0f} tok/s  "
-                f"ssd {ssd / s.seconds / 2**20:7.1f} MiB/s",
-                flush=True,
-            )
+            if len(steps) % 10 == 1:  # bandwidth per tier link, from the trace
+                for link, v in trainer.trace.summary()["links"].items():
+                    links[link] = f"{v['avg_bytes_per_s'] / 2**20:.0f}MiB/s"
+            info = {"loss": f"{s.loss:.4f}", "tok/s": f"{s.tokens / s.seconds:.0f}", **links}
+            bar.set_postfix(info, refresh=False)
+            bar.update(1)
+
+        t0 = time.perf_counter()
+        try:
+            await trainer.run(args.steps, on_step=on_step)
+        finally:
+            bar.close()
         wall = time.perf_counter() - t0
         trainer.trace.save(out / "trace.json")
+        plot_timeline(list(trainer.trace.spans), out / "timeline.png", window_s=_window(steps))
         report_json = {
             "model": asdict(mcfg),
             "config": {k: str(v) for k, v in asdict(config).items()},
             "steps": steps,
             "wall_seconds": wall,
+            "tokens_per_s": sum(s["tokens"] for s in steps) / wall,
             "traffic_last_step": {"/".join(k): v for k, v in trainer.traffic().items()},
             "trace_summary": trainer.trace.summary(),
         }
         (out / "report.json").write_text(json.dumps(report_json, indent=2))
-    print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s; wrote {out}/trace.json, {out}/report.json")
+    print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s; wrote trace.json, report.json, timeline.png to {out}")
+    return 0
+
+
+def _window(steps: list[dict]) -> float | None:
+    """Show about the last three steps in the timeline, where it is readable."""
+    if len(steps) < 4:
+        return None
+    return sum(s["seconds"] for s in steps[-3:]) * 1.1
+
+
+def _trace(argv: list[str]) -> int:
+    from snake.timeline import plot_timeline
+    from snake.trace import load_spans, summarize
+
+    p = argparse.ArgumentParser(prog="snake trace")
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("summarize", help="per-actor utilization and per-link bandwidth")
+    s.add_argument("trace")
+    s.add_argument("--json", action="store_true")
+    pl = sub.add_parser("plot", help="per-actor timeline (Gantt chart) as PNG")
+    pl.add_argument("trace")
+    pl.add_argument("-o", "--out", default="timeline.png")
+    pl.add_argument("--last", type=float, default=None, help="only the last SECONDS of the trace")
+    args = p.parse_args(argv)
+    try:
+        spans = load_spans(args.trace)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"snake trace: cannot read {args.trace}: {e}", file=sys.stderr)
+        return 2
+    if args.what == "plot":
+        plot_timeline(spans, args.out, window_s=args.last)
+        print(f"wrote {args.out}")
+        return 0
+    summary = summarize(spans)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"traced wall time: {summary['wall_s']:.3f} s")
+    print(f"{'actor':<16}{'busy s':>10}{'busy %':>9}")
+    for actor, v in summary["actors"].items():
+        print(f"{actor:<16}{v['busy_s']:>10.3f}{100 * v['busy_fraction']:>8.1f}%")
+    print(f"{'link':<12}{'MiB':>10}{'MiB/s busy':>12}{'MiB/s avg':>11}")
+    for link, v in summary["links"].items():
+        print(
+            f"{link:<12}{v['bytes'] / 2**20:>10.1f}{v['busy_bytes_per_s'] / 2**20:>12.1f}"
+            f"{v['avg_bytes_per_s'] / 2**20:>11.1f}"
+        )
     return 0
 
 
@@ -95,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
     sub.add_parser("plan", help="profile this machine and plan placement, alpha and micro-batches", add_help=False)
+    sub.add_parser("trace", help="summarize or plot a trace.json", add_help=False)
+    if argv and argv[0] == "trace":
+        return _trace(argv[1:])
     if argv and argv[0] == "plan":
         from planner.cli import plan_main
 

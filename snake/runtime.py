@@ -5,6 +5,7 @@ under one TaskGroup. The first actor failure cancels the rest and surfaces as
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from snake.actors.base import Actor
 from snake.actors.compute import Compute, StepReport
@@ -28,7 +29,13 @@ async def _guarded(actor: Actor) -> None:
 
 
 def build_actors(
-    engine: Engine, source: DataSource, iterations: range, reports: list[StepReport], *, vocab_size: int | None
+    engine: Engine,
+    source: DataSource,
+    iterations: range,
+    reports: list[StepReport],
+    *,
+    vocab_size: int | None,
+    on_step: Callable[[StepReport], None] | None = None,
 ) -> tuple[list[Actor], list[Mailbox]]:
     e = engine
     depth = max(4, 2 * e.M)
@@ -43,7 +50,9 @@ def build_actors(
             e, source, compute=compute_in, iterations=iterations,
             expect_shape=e.input_shape, vocab_size=vocab_size,
         ),
-        Compute(e, inbox=compute_in, d2h=d2h_in, clock=clock, iterations=iterations, reports=reports),
+        Compute(
+            e, inbox=compute_in, d2h=d2h_in, clock=clock, iterations=iterations, reports=reports, on_step=on_step
+        ),
         HostToDevice(e, inbox=h2d_in, compute=compute_in, clock=clock, iterations=iterations),
         DeviceToHost(e, inbox=d2h_in, ssd_write=write_in, optimizers=opt_in),
         SsdRead(e, h2d=h2d_in, optimizers=opt_in, clock=clock, iterations=iterations),
@@ -57,11 +66,16 @@ def build_actors(
 
 
 async def run_iterations(
-    engine: Engine, source: DataSource, steps: int, *, vocab_size: int | None
+    engine: Engine,
+    source: DataSource,
+    steps: int,
+    *,
+    vocab_size: int | None,
+    on_step: Callable[[StepReport], None] | None = None,
 ) -> list[StepReport]:
     iterations = range(engine.next_t, engine.next_t + steps)
     reports: list[StepReport] = []
-    actors, mailboxes = build_actors(engine, source, iterations, reports, vocab_size=vocab_size)
+    actors, mailboxes = build_actors(engine, source, iterations, reports, vocab_size=vocab_size, on_step=on_step)
     try:
         async with asyncio.TaskGroup() as tg:
             for a in actors:

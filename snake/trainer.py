@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,9 @@ class SnakeTrainer:
         await self.close()
 
     # -- running ----------------------------------------------------------------------
-    async def run(self, steps: int) -> RunReport:
+    async def run(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> RunReport:
+        """Train `steps` iterations (continuing from the last run). `on_step` is called on the
+        event loop with each step's report as it finishes (keep it quick)."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError("steps", steps, "must be an integer >= 1")
         self._check_usable()
@@ -83,7 +86,9 @@ class SnakeTrainer:
             if self.engine is None:
                 await self._setup()
             assert self.engine is not None
-            reports = await run_iterations(self.engine, self.source, steps, vocab_size=self._vocab_size())
+            reports = await run_iterations(
+                self.engine, self.source, steps, vocab_size=self._vocab_size(), on_step=on_step
+            )
         except BaseException as exc:
             if self.engine is not None or not isinstance(exc, SnakeError):
                 self._broken = f"{type(exc).__name__}: {exc}"

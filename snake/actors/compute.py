@@ -14,6 +14,7 @@ order). Heavy work runs on the compute executor; the event loop stays free.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class Compute(Actor):
         clock: StageClock,
         iterations: range,
         reports: list[StepReport],
+        on_step: Callable[[StepReport], None] | None = None,
     ) -> None:
         super().__init__(engine.tracer)
         self.e = engine
@@ -54,6 +56,7 @@ class Compute(Actor):
         self.clock = clock
         self.iterations = iterations
         self.reports = reports
+        self.on_step = on_step
         self.carry_plan = carries(engine.stages, engine.N)
         bwd = [s for s in engine.stages if s.phase == "bwd"]
         self.first_bwd = {layer: min(s.index for s in bwd if s.layer == layer) for layer in range(engine.N)}
@@ -86,7 +89,10 @@ class Compute(Actor):
             self.at(t)
             await self._k("resident step", e.kernels.resident_step, t + 1)
             loss = await self._k("loss", _total, losses)
-            self.reports.append(StepReport(t, loss, time.perf_counter() - t0, batch.tokens))
+            report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens)
+            self.reports.append(report)
+            if self.on_step is not None:
+                self.on_step(report)
         await self.d2h.put(Stop(self.name))
 
     async def _forward(

@@ -1,0 +1,72 @@
+"""A per-actor Gantt chart of a trace: one row per actor, one bar per span, coloured by
+what it moves or computes, so a reader sees at a glance who works and who waits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from snake.trace import Span
+
+COLORS = {
+    "fwd": "#4c72b0",
+    "bwd": "#dd8452",
+    "head": "#8172b3",
+    "pre": "#937860",
+    "param": "#55a868",
+    "ckpt": "#64b5cd",
+    "act_grad": "#da8bc3",
+    "grads": "#c44e52",
+    "opt": "#ccb974",
+    "adamw": "#8c8c8c",
+    "batch": "#bbbbbb",
+}
+ORDER = ["data", "compute", "h2d", "d2h", "ssd_read", "ssd_write"]
+
+
+def _color(name: str) -> str:
+    return COLORS.get(name.split(" ")[0], "#999999")
+
+
+def plot_timeline(spans: list[Span], path: str | Path, *, window_s: float | None = None, title: str = "") -> None:
+    """Write a PNG. `window_s`: show only the last that many seconds (None: everything)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not spans:
+        raise ValueError("the trace has no spans to plot")
+    end = max(s.end_s for s in spans)
+    start = min(s.start_s for s in spans)
+    if window_s is not None:
+        start = max(start, end - window_s)
+    spans = [s for s in spans if s.end_s >= start]
+    actors = sorted({s.actor for s in spans}, key=lambda a: (ORDER.index(a) if a in ORDER else len(ORDER), a))
+    row = {a: i for i, a in enumerate(actors)}
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.55 * len(actors)))
+    by_color: dict[str, list[tuple[float, float]]] = {}
+    by_row: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for s in spans:
+        by_row.setdefault((row[s.actor], _color(s.name)), []).append((s.start_s - start, max(s.end_s - s.start_s, 1e-5)))
+    for (r, color), bars in by_row.items():
+        ax.broken_barh(bars, (r - 0.38, 0.76), facecolors=color, edgecolors="none")
+        by_color.setdefault(color, [])
+    busy = {a: sum(s.end_s - max(s.start_s, start) for s in spans if s.actor == a) for a in actors}
+    wall = max(end - start, 1e-9)
+    ax.set_yticks(range(len(actors)))
+    ax.set_yticklabels([f"{a}  ({100 * busy[a] / wall:.0f}% busy)" for a in actors])
+    ax.invert_yaxis()
+    ax.set_xlim(0, wall)
+    ax.set_xlabel("seconds")
+    ax.grid(axis="x", alpha=0.3)
+    used = {k: v for k, v in COLORS.items() if v in by_color}
+    ax.legend(
+        handles=[Patch(color=v, label=k) for k, v in used.items()],
+        loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(actors) / 4), ncol=min(len(used), 11), fontsize=8,
+        frameon=False,
+    )
+    ax.set_title(title or "snake: per-actor timeline (gaps are waits)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
