@@ -10,14 +10,17 @@ the one mapping a data-parallel rank or pipeline stage could later own a slice o
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from snake.buffers import HostBuffer, alloc_host_tensor
-from snake.io import ALIGN, StorageFile, align_up, open_storage
+from snake.errors import StorageError
+from snake.io import StorageFile, align_up, open_storage
 from snake.io.base import TokenBucket
 
 
@@ -73,6 +76,7 @@ class TierStore:
         if off:
             assert directory is not None
             self.file = open_storage(directory / f"{kind}.bin", off, bucket=bucket, use_gds=use_gds)
+        self._sums: dict[Hashable, int] = {}  # xxh3 of each tail as last written
         self.max_tail_bytes = max((u.tail_elems() * self.esize for u in self.units.values()), default=0)
 
     def unit(self, key: Hashable) -> Unit:
@@ -97,14 +101,27 @@ class TierStore:
         return u.comps * u.k * self.esize
 
     def read_tail(self, u: Unit, buf: HostBuffer) -> None:
-        """Blocking: SSD -> staging buffer."""
+        """Blocking: SSD -> staging buffer, verified against the checksum of its last write."""
         assert self.file is not None and u.tail_n
         self.file.pread(buf.memoryview(self.tail_bytes(u)), u.file_offset)
+        want = self._sums.get(u.key)
+        if want is not None:
+            got = xxhash.xxh3_64_intdigest(buf.memoryview(self.tail_bytes(u))[: self.tail_bytes(u)])
+            if got != want:
+                raise StorageError(
+                    errno.EIO,
+                    f"checksum mismatch reading {self.kind} unit {u.key} (layer {_layer(u.key)}) from "
+                    f"{self.file.path} at offset {u.file_offset}: the SSD returned different bytes "
+                    "than were written (failing disk or another process writing offload_dir)",
+                )
 
     def write_tail(self, u: Unit, buf: HostBuffer) -> None:
-        """Blocking: staging buffer -> SSD."""
+        """Blocking: staging buffer -> SSD; remembers the block's checksum."""
         assert self.file is not None and u.tail_n
-        self.file.pwrite(buf.memoryview(self.tail_bytes(u)), u.file_offset)
+        nbytes = self.tail_bytes(u)
+        self._sums.pop(u.key, None)  # a failed write leaves no stale checksum behind
+        self.file.pwrite(buf.memoryview(nbytes), u.file_offset)
+        self._sums[u.key] = xxhash.xxh3_64_intdigest(buf.memoryview(nbytes)[:nbytes])
 
     def cpu_bytes(self) -> int:
         return int(self.cpu.numel()) * self.esize
@@ -134,4 +151,5 @@ def scatter(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
     assert sum(t.numel() for t in src[i:]) - si <= 0 and sum(t.numel() for t in dst[j:]) - di <= 0
 
 
-ALIGNMENT = ALIGN
+def _layer(key: Hashable) -> object:
+    return key[0] if isinstance(key, tuple) else key

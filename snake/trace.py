@@ -21,14 +21,19 @@ class Span:
     name: str
     start_s: float
     end_s: float
-    args: dict[str, Any]
+    link: str | None = None  # "src->dst" for a transfer
+    nbytes: int = 0
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return {"link": self.link, "bytes": self.nbytes} if self.link else {}
 
 
 class Tracer:
-    """Records spans of work per actor. Keeps the newest `max_spans` (memory stays bounded
-    on long runs). Times are seconds since the tracer was made."""
+    """Records spans of work per actor. Keeps the newest `max_spans` (about 150 bytes each,
+    so memory stays bounded on long runs). Times are seconds since the tracer was made."""
 
-    def __init__(self, max_spans: int = 200_000) -> None:
+    def __init__(self, max_spans: int = 20_000) -> None:
         self._t0 = time.perf_counter()
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._tracks: dict[str, int] = {}
@@ -37,17 +42,19 @@ class Tracer:
         return time.perf_counter() - self._t0
 
     @contextmanager
-    def span(self, actor: str, name: str, **args: Any) -> Iterator[None]:
+    def span(self, actor: str, name: str, *, link: str | None = None, bytes: int = 0) -> Iterator[None]:
         start = self.now()
         try:
             yield
         finally:
-            self.add(actor, name, start, self.now(), **args)
+            self.add(actor, name, start, self.now(), link=link, bytes=bytes)
 
-    def add(self, actor: str, name: str, start_s: float, end_s: float, **args: Any) -> None:
+    def add(
+        self, actor: str, name: str, start_s: float, end_s: float, *, link: str | None = None, bytes: int = 0
+    ) -> None:
         if actor not in self._tracks:
             self._tracks[actor] = len(self._tracks) + 1
-        self.spans.append(Span(actor, name, start_s, end_s, args))
+        self.spans.append(Span(actor, name, start_s, end_s, link, int(bytes)))
 
     def chrome(self) -> dict[str, Any]:
         events: list[dict[str, Any]] = [
@@ -91,10 +98,9 @@ def summarize(spans: list[Span]) -> dict[str, Any]:
     links: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "busy_s": 0.0})
     for s in spans:
         busy[s.actor] += s.end_s - s.start_s
-        link = s.args.get("link")
-        if link:
-            links[link]["bytes"] += s.args.get("bytes", 0)
-            links[link]["busy_s"] += s.end_s - s.start_s
+        if s.link:
+            links[s.link]["bytes"] += s.nbytes
+            links[s.link]["busy_s"] += s.end_s - s.start_s
     return {
         "wall_s": wall,
         "actors": {a: {"busy_s": b, "busy_fraction": min(b / wall, 1.0)} for a, b in sorted(busy.items())},
@@ -117,7 +123,10 @@ def load_spans(path: str | Path) -> list[Span]:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             names[e["tid"]] = e["args"]["name"]
     return [
-        Span(names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {}))
+        Span(
+            names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+            e.get("args", {}).get("link"), int(e.get("args", {}).get("bytes", 0)),
+        )
         for e in data["traceEvents"]
         if e.get("ph") == "X"
     ]

@@ -161,3 +161,29 @@ async def test_offload_files_are_private(tmp_path):
         files = list(off.glob("*.bin"))
         assert {f.name for f in files} == {"param.bin", "opt.bin", "ckpt.bin"}
         assert all((f.stat().st_mode & 0o777) == 0o600 for f in files)
+
+
+@pytest.mark.asyncio
+# (checkpoints are rewritten each iteration before they are read: a flip between runs is
+# overwritten, not read; within an iteration the same check covers them)
+@pytest.mark.parametrize("kind", ["opt", "param"])
+async def test_flipped_bytes_on_ssd_are_detected(tmp_path, kind):
+    from snake.errors import StorageError
+
+    async with SnakeTrainer(tiny_gpt(bias=False), data=batches(5, 4), config=_config(tmp_path)) as trainer:
+        await trainer.run(1)
+        store = trainer.engine.stores[kind]
+        unit = next(u for u in store.units.values() if u.tail_n)
+        path = store.file.path
+        _flip_byte(path, unit.file_offset + 5)  # another process corrupts the block on disk
+        err = await _fails_cleanly(trainer, "ssd_read", StorageError)
+        msg = str(err.__cause__)
+        assert "checksum mismatch" in msg and kind in msg and str(path) in msg and "layer" in msg
+
+
+def _flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

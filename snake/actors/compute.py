@@ -14,8 +14,8 @@ order). Heavy work runs on the compute executor; the event loop stays free.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
