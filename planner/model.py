@@ -99,7 +99,8 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     """Layer-major (GreedySnake): one forward and one backward stage per layer.
 
     Forward: params in; n-1 checkpoints in (the snake order carries one on the device) and
-    n out; the SSD share of the output checkpoints written and of the inputs read back; the
+    n out; the SSD share of the output checkpoints written (the next stage gets its inputs
+    from the CPU copies of those writes, never read back from SSD); the
     delayed alpha share of the optimizer step (opt read + written, param tail written).
     Backward: params, n checkpoints and n-1 inter-layer gradients in; n-1 gradients and the
     fp32 layer gradient (once) out; the (1 - alpha) share of the optimizer step."""
@@ -110,7 +111,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         adam_elems=a * p,
         h2d_bytes=pb + (n - 1) * cb,
         d2h_bytes=n * cb,
-        ssd_read=(pb, (n - 1) * cb, a * ob),
+        ssd_read=(pb, 0.0, a * ob),
         ssd_write=(a * pb, n * cb, a * ob),
     )
     bwd = Traffic(

@@ -75,7 +75,7 @@ class Engine:
             )
             ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
             self.stores["ckpt"] = TierStore("ckpt", self.dtype, ckpt_units, cpu_share=self.placement.ckpt, **store_kw)
-            ag = sorted((lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad")
+            ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad"})
             self.stores["act_grad"] = TierStore(
                 "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin
             )
@@ -92,6 +92,13 @@ class Engine:
             "data": data_executor,
         }
 
+    @staticmethod
+    def unit_key(kind: str, layer: int, micro_batch: int) -> tuple[int, int]:
+        """Store unit of an activation. Inter-layer gradients live only from the backward
+        stage that writes them to the next one that reads them: two layers' worth of slots
+        (layer parity) serve them all. Checkpoints: one unit per layer and micro-batch."""
+        return (layer % 2, micro_batch) if kind == "act_grad" else (layer, micro_batch)
+
     # -- setup ------------------------------------------------------------------------
     def _make_pools(self) -> None:
         sizes = PoolSizes()
@@ -105,8 +112,8 @@ class Engine:
         self.pools = {
             "param_in": host_pool("param_in", st["param"], sizes.param_tails),
             "param_out": host_pool("param_out", st["param"], self.workers),
-            "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.M + 1),
-            "ckpt_out": host_pool("ckpt_out", st["ckpt"], sizes.ckpt_tails_extra),
+            "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.M + sizes.ckpt_in_extra),
+            "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.M + sizes.ckpt_out_extra),
             "opt": host_pool("opt", st["opt"], self.workers + sizes.opt_tails_extra),
         }
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(

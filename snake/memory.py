@@ -37,7 +37,8 @@ class PoolSizes:
     """Buffer counts of the runtime's fixed pools."""
 
     param_tails: int = 3
-    ckpt_tails_extra: int = 2  # ckpt tail buffers = micro_batches + this
+    ckpt_in_extra: int = 1  # backward ckpt reads: micro_batches + this tail buffers
+    ckpt_out_extra: int = 2  # ckpt writes (and their hand-on to the next forward stage)
     opt_tails_extra: int = 1  # opt tail buffers = optimizer workers + this
     grad_buffers: int = 2  # vertical: whole-layer fp32 gradient buffers in flight
     device_param_slots: int = 2
@@ -66,7 +67,7 @@ def host_memory(
 
     Per kind: the CPU-resident heads (share x total) plus tail staging buffers sized for the
     SSD share ((1 - share) x unit, times the pool count). Plus kinds that always live in CPU
-    memory: inter-layer gradients, gradients (vertical: a few whole-layer buffers and the
+    memory: inter-layer gradients (vertical: two layers' worth), gradients (vertical: a few whole-layer buffers and the
     delayed alpha share of every layer; horizontal: one fp32 accumulator per layer), and the
     resident pre/post optimizer state. Page padding of tails is ignored (< ALIGN per buffer)."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
@@ -77,7 +78,7 @@ def host_memory(
     ckpt_unit = c * db
     opt_unit = p * OPT_BYTES_PER_ELEM
     param_pool = pools.param_tails + workers  # loads + optimizer write-back
-    ckpt_pool = n_micro + pools.ckpt_tails_extra
+    ckpt_pool = 2 * n_micro + pools.ckpt_in_extra + pools.ckpt_out_extra
     opt_pool = workers + pools.opt_tails_extra
     per_share = {
         "param": param_total - param_pool * param_unit,
@@ -85,7 +86,7 @@ def host_memory(
         "opt": opt_total - opt_pool * opt_unit,
     }
     tails = param_pool * param_unit + ckpt_pool * ckpt_unit + opt_pool * opt_unit
-    act_grads = n * n_micro * c * db
+    act_grads = (2 * n_micro * c * db) if schedule == "vertical" else 0  # two layers' slots
     if schedule == "vertical":
         grads = pools.grad_buffers * p * 4 + alpha * n * p * 4
     else:

@@ -98,6 +98,7 @@ class TailOnHost:
 
     tag: tuple[Any, ...]
     buf: HostBuffer
+    pool: BufferPool[HostBuffer]  # where the receiver returns `buf`
 
     @property
     def key(self) -> Hashable:
@@ -106,8 +107,9 @@ class TailOnHost:
 
 @dataclass(frozen=True, slots=True)
 class WriteTail:
-    """-> ssd_write: write `buf` as the SSD part of `unit`, then return `buf` to `pool` and
-    mark `ledger_key` at `version`."""
+    """-> ssd_write: write `buf` as the SSD part of `unit`, mark `ledger_key` at `version`,
+    then return `buf` to `pool`, or, with `forward`, hand it on to h2d: a checkpoint the next
+    forward stage needs is served from CPU memory, not read back (GreedySnake 4.2)."""
 
     t: int
     store: TierStore
@@ -116,6 +118,7 @@ class WriteTail:
     pool: BufferPool[HostBuffer]
     ledger_key: Hashable
     version: int
+    forward: tuple[Any, ...] | None = None  # after writing, hand `buf` to h2d with this tag
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ waits on something queued behind itself:
 
   h2d        param / ckpt / act_grad to the device: one stage ahead (g - 1), in the order
              the compute actor consumes them.
-  ssd_read   param tails two stages ahead; ckpt tails one stage ahead; optimizer-state
+  ssd_read   param tails two stages ahead; backward ckpt tails one stage ahead (a forward
+             stage's ckpts are handed on from their write, never read back); optimizer-state
              tails one stage before their optimizer step. A forward param read also waits
              for the optimizer steps that produce it (now-step of the last iteration,
              delayed step of this one), so it is ordered after their state reads.
@@ -91,6 +92,12 @@ class Plans:
         self.loads = device_loads(stages, n_layers)
         self.fwd = {layer: fwd_stage_of(stages, layer) for layer in range(n_layers)}
         self.last_bwd = {layer: last_bwd_stage_of(stages, layer) for layer in range(n_layers)}
+        # checkpoints a forward stage loads: served from the CPU copy of their write
+        self.fwd_ckpt_need = {
+            (ld.layer, ld.micro_batch): ld.need
+            for ld in self.loads
+            if ld.kind == "ckpt" and stages[ld.need].phase == "fwd"
+        }
 
     # optimizer ------------------------------------------------------------------------
     def key_now(self, t: int, layer: int) -> float:
@@ -154,7 +161,7 @@ class Plans:
                         tag = ("tail", "param", unit, g)
                         ops.append(ReadOp(t, "param", unit, t, start, tag, (start, 1, g, seq, 0)))
                         seq += 1
-            elif ld.kind == "ckpt":
+            elif ld.kind == "ckpt" and self.stages[ld.need].phase == "bwd":
                 unit = (ld.layer, ld.micro_batch)
                 if has_tail("ckpt", unit):
                     start = g - CKPT_LEAD

@@ -56,7 +56,7 @@ def build_actors(
         HostToDevice(e, inbox=h2d_in, compute=compute_in, clock=clock, iterations=iterations),
         DeviceToHost(e, inbox=d2h_in, ssd_write=write_in, optimizers=opt_in),
         SsdRead(e, h2d=h2d_in, optimizers=opt_in, clock=clock, iterations=iterations),
-        SsdWrite(e, inbox=write_in, producers=1 + e.workers),
+        SsdWrite(e, inbox=write_in, h2d=h2d_in, producers=1 + e.workers),
     ]
     actors += [
         OptimizerWorker(e, i, inbox=opt_in[i], ssd_write=write_in, clock=clock, iterations=iterations)

@@ -58,6 +58,9 @@ async def test_checkpoint_traffic_vertical(tmp_path):
     assert traffic[("cpu", "gpu", "ckpt")] == (N - 1) * (M - 1) * ck + N * M * ck
     ssd_share = traffic[("cpu", "ssd", "ckpt")] / traffic[("gpu", "cpu", "ckpt")]
     assert ssd_share == pytest.approx(0.5, abs=0.01)
+    # the SSD part of each checkpoint is read back once, for the recompute: the next
+    # forward stage takes it from the CPU copy of the write (GreedySnake 4.2)
+    assert traffic[("ssd", "cpu", "ckpt")] == traffic[("cpu", "ssd", "ckpt")]
     # inter-layer gradients: every one but the carried, through CPU memory only
     assert traffic[("cpu", "gpu", "act_grad")] == N * (M - 1) * ck
     assert not any(k[2] == "act_grad" and "ssd" in k[:2] for k in traffic)

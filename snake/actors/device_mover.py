@@ -72,17 +72,15 @@ class HostToDevice(Actor):
                 pairs.append((slot[off : off + u.k], store.head(u)[0]))
                 if u.tail_n:
                     msg: TailOnHost = await self.inbox.take(("tail", "param", (layer, part), op.g))
-                    tails.append(msg.buf)
+                    tails.append(msg)
                     pairs.append((slot[off + u.k : off + n], store.tail(u, msg.buf)[0]))
                 off += n
             nbytes = e.P * store.esize
             try:
                 await self.work(e.executors["copy"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
             finally:
-                pool = e.pools["param_in"]
-                for b in tails:
-                    assert pool is not None
-                    pool.release(b)
+                for m in tails:
+                    m.pool.release(m.buf)
             e.traffic.add(op.t, "cpu", "gpu", "param", nbytes)
         except BaseException:
             e.param_slots.release(slot)
@@ -92,11 +90,12 @@ class HostToDevice(Actor):
     async def _activation(self, op: H2DOp) -> None:
         e, ld = self.e, op.load
         store = e.stores[ld.kind]
-        u = store.unit((ld.layer, ld.micro_batch))
+        u = store.unit(e.unit_key(ld.kind, ld.layer, ld.micro_batch))
         await e.ledger.wait_for((ld.kind, ld.layer, ld.micro_batch), op.t + 1)
         tail = None
         if u.tail_n:
-            tail = (await self.inbox.take(("tail", ld.kind, (ld.layer, ld.micro_batch), op.g))).buf
+            tmsg: TailOnHost = await self.inbox.take(("tail", ld.kind, (ld.layer, ld.micro_batch), op.g))
+            tail = tmsg.buf
         nbytes = u.n * store.esize
 
         def load() -> torch.Tensor:
@@ -113,9 +112,7 @@ class HostToDevice(Actor):
             dev = await self.work(e.executors["copy"], label, load, link="cpu->gpu", bytes=nbytes)
         finally:
             if tail is not None:
-                pool = e.pools["ckpt_in"]
-                assert pool is not None
-                pool.release(tail)
+                tmsg.pool.release(tail)
         e.traffic.add(op.t, "cpu", "gpu", ld.kind, nbytes)
         await self.compute.put(ActivationOnDevice(ld.kind, op.t, op.g, ld.layer, ld.micro_batch, dev))
 
@@ -149,7 +146,7 @@ class DeviceToHost(Actor):
         e = self.e
         self.at(msg.t, msg.layer, msg.micro_batch)
         store = e.stores[msg.kind]
-        u = store.unit((msg.layer, msg.micro_batch))
+        u = store.unit(e.unit_key(msg.kind, msg.layer, msg.micro_batch))
         flat = msg.tensor.reshape(-1)
         pool = e.pools["ckpt_out"] if u.tail_n else None
         buf = await pool.acquire() if pool is not None else None
@@ -167,7 +164,9 @@ class DeviceToHost(Actor):
         e.traffic.add(msg.t, "gpu", "cpu", msg.kind, nbytes)
         key = (msg.kind, msg.layer, msg.micro_batch)
         if buf is not None and pool is not None:
-            await self.ssd_write.put(WriteTail(msg.t, store, u, buf, pool, key, msg.t + 1))
+            need = e.plans.fwd_ckpt_need.get((msg.layer, msg.micro_batch)) if msg.kind == "ckpt" else None
+            forward = None if need is None else ("tail", "ckpt", (msg.layer, msg.micro_batch), msg.t * e.S + need)
+            await self.ssd_write.put(WriteTail(msg.t, store, u, buf, pool, key, msg.t + 1, forward))
         else:
             await e.ledger.mark(key, msg.t + 1)
 

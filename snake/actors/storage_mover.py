@@ -10,7 +10,8 @@ ssd_read
 
 ssd_write
 | consumes  | WriteTail from d2h and the optimizer workers; Stop from each of them   |
-| produces  | ledger marks; returns each staging buffer to its pool                  |
+| produces  | ledger marks; returns each staging buffer to its pool, or hands a      |
+|           | checkpoint the next forward stage needs on to h2d (TailOnHost)         |
 """
 
 from __future__ import annotations
@@ -63,16 +64,17 @@ class SsdRead(Actor):
                 raise
             e.traffic.add(op.t, "ssd", "cpu", op.kind, nbytes)
             dest = self.h2d if op.kind != "opt" else self.optimizers[op.unit[0] % len(self.optimizers)]
-            await dest.put(TailOnHost(op.tag, buf))
+            await dest.put(TailOnHost(op.tag, buf, pool))
 
 
 class SsdWrite(Actor):
     name = "ssd_write"
 
-    def __init__(self, engine: Engine, *, inbox: Mailbox, producers: int) -> None:
+    def __init__(self, engine: Engine, *, inbox: Mailbox, h2d: Mailbox, producers: int) -> None:
         super().__init__(engine.tracer)
         self.e = engine
         self.inbox = inbox
+        self.h2d = h2d
         self.producers = producers
 
     async def run(self) -> None:
@@ -94,7 +96,12 @@ class SsdWrite(Actor):
         try:
             label = f"{msg.store.kind} L{msg.unit.key[0]}"  # type: ignore[index]
             await self.work(e.executors["io"], label, msg.store.write_tail, msg.unit, msg.buf, link="cpu->ssd", bytes=nbytes)
-        finally:
+        except BaseException:
             msg.pool.release(msg.buf)
+            raise
         e.traffic.add(msg.t, "cpu", "ssd", msg.store.kind, nbytes)
         await e.ledger.mark(msg.ledger_key, msg.version)
+        if msg.forward is None:
+            msg.pool.release(msg.buf)
+        else:
+            await self.h2d.put(TailOnHost(msg.forward, msg.buf, msg.pool))

@@ -25,15 +25,15 @@ def test_ample_cpu_memory_puts_everything_on_cpu():
 
 
 def test_tiny_ssd_bandwidth_favours_kinds_with_most_traffic_per_byte():
-    # per byte of CPU memory and iteration: param 3 (read fwd, read bwd, write), ckpt
-    # (3n - 1) / n (write, read for the next layer, read for recompute), opt 2 (read, write)
+    # per byte of CPU memory and iteration: param 3 (read fwd, read bwd, write), ckpt 2
+    # (write, read for recompute: the next forward stage gets it from the CPU copy of the
+    # write), opt 2 (read, write): params go to CPU first, the rest shares what is left
     p = synthetic_profile(ssd_read_bytes_per_s=1e7, ssd_write_bytes_per_s=1e7)
     plan = solve(p, n_micro=8, alpha=0.0)
     assert isinstance(plan, Plan)
     x = plan.placement
     assert x.param == 1.0
-    assert x.ckpt > 0.99
-    assert x.opt < 0.5
+    assert min(x.ckpt, x.opt) < 0.99
     assert "cpu_memory" in plan.binding
 
 
