@@ -50,8 +50,8 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
             model=model,
             blocks=list(model.blocks),
             blocks_prefix="blocks",
-            pre=lambda m, idx: m.embed(idx),
-            post=lambda m, h: m.head(h),
+            pre=_gpt_pre,
+            post=_gpt_post,
         )
     else:
         hf = _try_hf(model)
@@ -64,6 +64,14 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
         parts = hf
     check_parts(parts)
     return parts
+
+
+def _gpt_pre(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    return model.embed(idx)  # type: ignore[operator]
+
+
+def _gpt_post(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return model.head(h)  # type: ignore[operator]
 
 
 def _try_hf(model: nn.Module) -> ModelParts | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -34,7 +34,8 @@ class HostBuffer:
 
     def memoryview(self, nbytes: int) -> memoryview:
         """A view of the first `nbytes` (rounded up to ALIGN) for pread/pwrite."""
-        return memoryview(self.data.numpy())[: align_up(nbytes)]
+        arr: Any = self.data.numpy()
+        return memoryview(arr)[: align_up(nbytes)]
 
 
 def alloc_host(nbytes: int, *, pin: bool) -> HostBuffer:

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
             runner = uvloop.run
         except ImportError:  # pragma: no cover
-            runner = asyncio.run
+            runner = asyncio.run  # type: ignore[assignment]
         if args.offload_dir:
             return runner(_train(args, args.offload_dir))
         with tempfile.TemporaryDirectory(prefix="snake-offload-") as d:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class Engine:
         self.failed = False
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None
         use_gds = device.type == "cuda"
-        store_kw = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)
+        store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)
         parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.part_sizes) if n]
         self.stores: dict[str, TierStore] = {}
         try:

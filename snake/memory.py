@@ -80,7 +80,7 @@ def host_memory(
     param_pool = pools.param_tails + workers  # loads + optimizer write-back
     ckpt_pool = 2 * n_micro + pools.ckpt_in_extra + pools.ckpt_out_extra
     opt_pool = workers + pools.opt_tails_extra
-    per_share = {
+    per_share: dict[str, float] = {
         "param": param_total - param_pool * param_unit,
         "ckpt": ckpt_total - ckpt_pool * ckpt_unit,
         "opt": opt_total - opt_pool * opt_unit,

@@ -141,15 +141,15 @@ class Plans:
         for step in self.steps(t, list(range(self.n_layers)), first_delayed):
             unit = (step.layer, step.part)
             if has_tail("opt", unit):
-                start = step.key - 1
-                tag = ("tail", "opt", unit, step.t, step.kind)
-                sort = (start, 0, step.key, step.part, step.layer)
-                ops.append(ReadOp(t, "opt", unit, step.step - 1, start, tag, sort))
+                opt_start = step.key - 1
+                opt_tag: tuple = ("tail", "opt", unit, step.t, step.kind)
+                sort = (opt_start, 0, step.key, step.part, step.layer)
+                ops.append(ReadOp(t, "opt", unit, step.step - 1, opt_start, opt_tag, sort))
                 seq += 1
         for ld in self.loads:
             g = t * self.S + ld.need
             if ld.kind == "param":
-                start: float = g - PARAM_LEAD
+                start: float = float(g - PARAM_LEAD)
                 stage = self.stages[ld.need]
                 if stage.phase == "fwd" and stage.index == self.fwd[ld.layer]:
                     start = max(start, self.key_now(t - 1, ld.layer))
@@ -164,8 +164,7 @@ class Plans:
             elif ld.kind == "ckpt" and self.stages[ld.need].phase == "bwd":
                 unit = (ld.layer, ld.micro_batch)
                 if has_tail("ckpt", unit):
-                    start = g - CKPT_LEAD
                     tag = ("tail", "ckpt", unit, g)
-                    ops.append(ReadOp(t, "ckpt", unit, t + 1, start, tag, (start, 1, g, seq, 0)))
+                    ops.append(ReadOp(t, "ckpt", unit, t + 1, g - CKPT_LEAD, tag, (g - CKPT_LEAD, 1, g, seq, 0)))
                     seq += 1
         return sorted(ops, key=lambda op: op.sort)

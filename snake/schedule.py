@@ -125,9 +125,7 @@ def stored_outputs(stages: tuple[Stage, ...], n_layers: int) -> frozenset[tuple[
     """Which (kind, layer, micro_batch) outputs must be written to the host: every block input
     checkpoint, and every inter-layer gradient that is not carried on the device."""
     loaded = device_loads(stages, n_layers)
-    ckpts = {("ckpt", ld.layer, ld.micro_batch) for ld in loaded if ld.kind == "ckpt"}
-    grads = {("act_grad", ld.layer, ld.micro_batch) for ld in loaded if ld.kind == "act_grad"}
-    return frozenset(ckpts | grads)
+    return frozenset((ld.kind, ld.layer, ld.micro_batch) for ld in loaded if ld.kind != "param")
 
 
 def fwd_stage_of(stages: tuple[Stage, ...], layer: int) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,23 @@ class SnakeTrainer:
             out[key] = value.detach().clone()
         return out
 
+    async def save(self, directory: Any) -> None:
+        """Write a checkpoint to `directory` (atomically; see snake.checkpoint): fp32 master
+        weights, AdamW state, step, RNG state, data position. Pending delayed optimizer
+        steps are applied first."""
+        from snake.checkpoint import save_checkpoint
+
+        await save_checkpoint(self, directory)
+
+    async def load(self, directory: Any, *, skip_data: bool = True) -> None:
+        """Resume from a checkpoint: on a new trainer, before `run`. Checks the checkpoint
+        against the model and config (ConfigError naming the field), skips the global
+        batches it consumed from `data` (skip_data=False: `data` already starts after
+        them), sets the trainer up and restores its state."""
+        from snake.checkpoint import load_checkpoint
+
+        await load_checkpoint(self, directory, skip_data=skip_data)
+
     async def close(self) -> None:
         """Stop threads, close files, release the offload_dir lock. Idempotent."""
         if self._closed:
@@ -177,18 +194,20 @@ class SnakeTrainer:
             h = self.parts.pre(model, ins[0].to(mdev))
         self._lock = DirLock(self.offload_dir)
         self.config = cfg
-        self.engine = await run_blocking(
-            self._data_ex,
+        data_ex = self._data_ex
+        engine = await run_blocking(
+            data_ex,
             lambda: Engine(
                 self.parts, cfg, self.device, ckpt_shape=h.shape, input_shape=first[0].shape,
-                offload_dir=self.offload_dir, tracer=self.trace, data_executor=self._data_ex,
+                offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex,
             ),
         )
-        await run_blocking(self.engine.executors["io"], self.engine.load_initial_weights)
+        self.engine = engine
+        await run_blocking(engine.executors["io"], engine.load_initial_weights)
         log.info(
             "snake: %d blocks x %d params, M=%d, alpha=%s, placement=%s, %s on %s, offload %.1f MiB in %s",
-            self.engine.N, self.engine.P, cfg.micro_batches, cfg.alpha, cfg.placement, cfg.schedule,
-            self.device, self.engine.offload_bytes() / 2**20, self.offload_dir,
+            engine.N, engine.P, cfg.micro_batches, cfg.alpha, cfg.placement, cfg.schedule,
+            self.device, engine.offload_bytes() / 2**20, self.offload_dir,
         )
 
     async def _plan(self, first: Any) -> SnakeConfig:

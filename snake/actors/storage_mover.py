@@ -91,10 +91,11 @@ class SsdWrite(Actor):
 
     async def _write(self, msg: WriteTail) -> None:
         e = self.e
-        self.at(msg.t, *msg.ledger_key[1:3])  # type: ignore[arg-type]
+        key = msg.ledger_key
+        self.at(msg.t, key[1] if isinstance(key, tuple) else None)
         nbytes = msg.store.tail_bytes(msg.unit)
         try:
-            label = f"{msg.store.kind} L{msg.unit.key[0]}"  # type: ignore[index]
+            label = f"{msg.store.kind} {msg.ledger_key}"
             await self.work(e.executors["io"], label, msg.store.write_tail, msg.unit, msg.buf, link="cpu->ssd", bytes=nbytes)
         except BaseException:
             msg.pool.release(msg.buf)

@@ -1,0 +1,533 @@
+"""Checkpoints: `await trainer.save(directory)` and `await trainer.load(directory)`.
+
+A checkpoint is a directory of safetensors files and one JSON manifest (no pickle):
+
+  manifest.json            format and version, `step` (optimizer steps applied = the next
+                           iteration), `consumed_batches` (global batches taken from the
+                           data), the config fields a resume must match, the model's
+                           parameter names and shapes, and the size and sha256 of each file
+  layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
+                           `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
+                           named as in `model.state_dict()`
+  resident.safetensors     the same for the resident (pre/post) parameters (tied weights once)
+  rng.safetensors          torch's global RNG state(s) as uint8 tensors
+
+Every parameter has had exactly `step` AdamW steps: delayed optimizer work (alpha > 0) is
+flushed before saving, so a resumed run gives the weights of an uninterrupted one. The
+compute-dtype parameters are not stored: `load` derives them from the masters. Dropout
+masks derive from (config.seed, iteration, layer, micro-batch), so the step counter and the
+seed fix them.
+
+Saving is atomic: the files are written into a temporary sibling directory and fsynced,
+then renamed over the target (an existing checkpoint there is renamed aside first and
+removed only after the rename), so a crash leaves the previous checkpoint in place. Writes
+and reads go one layer at a time: memory grows by one layer's fp32 state, not the model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from snake.actors.optimizer import flush_delayed
+from snake.adapters import ModelParts, block_param_names, resident_named_params
+from snake.blocking import run_blocking
+from snake.buffers import alloc_host
+from snake.config import Placement, SnakeConfig
+from snake.device import synchronize
+from snake.errors import ConfigError, DataError, SnakeError
+
+if TYPE_CHECKING:
+    from snake.engine import Engine
+    from snake.trainer import SnakeTrainer
+
+FORMAT = "snake-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+RESIDENT = "resident.safetensors"
+RNG = "rng.safetensors"
+COMPS = ("master", "exp_avg", "exp_avg_sq")
+# config fields a resume must match (None on either side: not checked)
+MATCH_FIELDS = ("dtype", "schedule", "alpha", "micro_batches", "seed")
+FIX = (
+    "a checkpoint resumes only with the model shape and the config "
+    f"({', '.join(MATCH_FIELDS)}) it was saved with"
+)
+
+R = TypeVar("R")
+
+_rename = os.rename  # the one call that publishes a checkpoint (tests fake it)
+
+
+def _resolve(directory: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(Path(directory).expanduser()))
+
+
+def layer_file(layer: int) -> str:
+    return f"layer-{layer:05d}.safetensors"
+
+
+# -- public entry points (SnakeTrainer.save / .load call these) -------------------------
+async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[str]) -> Path:
+    """Write the trainer's full training state to `directory` (atomically, replacing a
+    checkpoint already there). Works before the first run too (step 0, zero moments)."""
+    trainer._check_usable()
+    if trainer._running:
+        raise SnakeError("save: a run() or load() of this trainer is in progress; await it before saving")
+    target = _resolve(directory)
+    trainer._running = True
+    try:
+        e = trainer.engine
+        if e is not None:
+            await run_blocking(e.executors["io"], flush_delayed, e)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": e.next_t if e is not None else 0,
+            "consumed_batches": trainer.source.consumed,
+            "config": config_record(trainer.config),
+            "model": model_spec(trainer.parts),
+        }
+        rng = rng_state()
+        work = functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target)
+        await _blocking(e, work)
+    finally:
+        trainer._running = False
+    return target
+
+
+async def load_checkpoint(
+    trainer: SnakeTrainer, directory: str | os.PathLike[str], *, skip_data: bool = True
+) -> None:
+    """Restore a checkpoint into a new trainer, before its first run(). Validates the
+    manifest against the trainer (ConfigError naming the field), skips the global batches
+    the checkpoint consumed (unless skip_data=False: then the data must already start
+    after them), builds the engine and overwrites its state."""
+    trainer._check_usable()
+    if trainer.engine is not None or trainer._running or trainer.source.consumed:
+        raise SnakeError(
+            "load: a checkpoint can only be loaded into a new trainer, before its first run() "
+            "(this one has already run or loaded one); make a new SnakeTrainer and call "
+            "load() before run()"
+        )
+    target = _resolve(directory)
+    trainer._running = True
+    try:
+        manifest = await _blocking(None, functools.partial(read_manifest, target))
+        check_compatible(manifest, trainer.config, trainer.parts)
+        trainer.config = fill_config(trainer.config, manifest)
+        # from here on the trainer's data and engine change: a failure leaves it unusable
+        try:
+            await _restore(trainer, target, manifest, skip_data)
+        except BaseException as exc:
+            trainer._broken = f"load({str(target)!r}) failed: {type(exc).__name__}: {exc}"
+            await trainer._shutdown()
+            raise
+    finally:
+        trainer._running = False
+
+
+async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool) -> None:
+    consumed = int(manifest["consumed_batches"])
+    if skip_data and consumed:
+        with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint") as ex:
+            try:
+                for _ in range(consumed):
+                    await trainer.source.next(ex)
+            except DataError as exc:
+                raise DataError(
+                    f"load: the checkpoint has consumed {consumed} global batches but data ran out "
+                    f"after {trainer.source.consumed}; pass the data the checkpoint was trained on "
+                    "(from its start), or load(..., skip_data=False) with data that starts after them"
+                ) from exc
+    trainer.source.consumed = consumed
+    await trainer._setup()
+    check_resolved(trainer.config, manifest)
+    e = trainer.engine
+    assert e is not None
+    rng = await run_blocking(e.executors["io"], apply_checkpoint, e, trainer.parts, target, manifest)
+    set_rng_state(rng)
+
+
+async def _blocking(e: Engine | None, fn: Callable[[], R]) -> R:
+    if e is not None:
+        return await run_blocking(e.executors["io"], fn)
+    with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint") as ex:
+        return await run_blocking(ex, fn)
+
+
+# -- manifest ---------------------------------------------------------------------------
+def config_record(cfg: SnakeConfig) -> dict[str, Any]:
+    p, o = cfg.placement, cfg.optimizer
+    return {
+        "dtype": cfg.dtype,
+        "schedule": cfg.schedule,
+        "alpha": cfg.alpha,
+        "micro_batches": cfg.micro_batches,
+        "seed": cfg.seed,
+        # informational: not checked on load (placement does not change results; a new
+        # optimizer setting is the user's choice)
+        "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
+        "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+    }
+
+
+def model_spec(parts: ModelParts) -> dict[str, Any]:
+    return {
+        "blocks_prefix": parts.blocks_prefix,
+        "n_layer": len(parts.blocks),
+        "block_params": [[n, list(s)] for n, s in block_param_names(parts)],
+        "resident_params": [[n, list(p.shape)] for n, p in resident_named_params(parts)],
+    }
+
+
+def read_manifest(target: Path) -> dict[str, Any]:
+    """Blocking: the manifest of the checkpoint at `target`, after checking that it is one
+    and that every file it lists is there with its recorded size and sha256."""
+    if not target.is_dir():
+        hint = ""
+        aside = _siblings(target, "old")
+        if aside:
+            hint = f"; an interrupted save left the previous checkpoint at {aside[-1]}: rename it to {target.name}"
+        raise SnakeError(f"load: no checkpoint directory at {target}{hint}")
+    path = target / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SnakeError(f"load: {target} has no {MANIFEST}: not a snake checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise SnakeError(f"load: cannot read {path}: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise SnakeError(f"load: {path} is not a snake checkpoint manifest (format != {FORMAT!r})")
+    if manifest.get("version") != VERSION:
+        raise SnakeError(
+            f"load: {target} has checkpoint format version {manifest.get('version')!r}; "
+            f"this snake reads version {VERSION}"
+        )
+    for key in ("step", "consumed_batches", "config", "model", "files"):
+        if key not in manifest:
+            raise SnakeError(f"load: {path} lacks {key!r}: the manifest is damaged")
+    n_layer = int(manifest["model"]["n_layer"])
+    files: dict[str, Any] = manifest["files"]
+    for name in [layer_file(i) for i in range(n_layer)] + [RESIDENT, RNG]:
+        if name not in files:
+            raise SnakeError(f"load: {path} does not list {name}: the manifest is damaged")
+    for name, info in files.items():
+        f = target / name
+        if not f.is_file():
+            raise SnakeError(f"load: {f} is missing: the checkpoint is incomplete")
+        if f.stat().st_size != info["bytes"]:
+            raise SnakeError(f"load: {f} has {f.stat().st_size} bytes, the manifest says {info['bytes']}: it is damaged")
+        with open(f, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        if digest != info["sha256"]:
+            raise SnakeError(f"load: {f} does not match its sha256 in the manifest: it is damaged")
+    return manifest
+
+
+def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: ModelParts) -> None:
+    """ConfigError naming the first field where the trainer differs from the checkpoint."""
+    want, have = manifest["model"], model_spec(parts)
+    if have["n_layer"] != want["n_layer"]:
+        raise ConfigError("model.n_layer", have["n_layer"], f"does not match the checkpoint's {want['n_layer']}", FIX)
+    for group, label in (("block_params", f"{parts.blocks_prefix}.*."), ("resident_params", "")):
+        mine = {n: s for n, s in have[group]}
+        theirs = {n: s for n, s in want[group]}
+        for n, s in mine.items():
+            if n not in theirs:
+                raise ConfigError(f"model.{label}{n}", tuple(s), "is not in the checkpoint", FIX)
+            if theirs[n] != s:
+                raise ConfigError(
+                    f"model.{label}{n}", tuple(s), f"has a shape that does not match the checkpoint's {tuple(theirs[n])}", FIX
+                )
+        for n, s in theirs.items():
+            if n not in mine:
+                raise ConfigError(f"model.{label}{n}", None, f"is in the checkpoint (shape {tuple(s)}) but not in the model", FIX)
+    _check_fields(config, manifest)
+
+
+def _check_fields(config: SnakeConfig, manifest: dict[str, Any]) -> None:
+    saved = manifest["config"]
+    for name in MATCH_FIELDS:
+        mine, theirs = getattr(config, name), saved.get(name)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ConfigError(name, mine, f"does not match the checkpoint's {theirs!r}", FIX)
+
+
+def check_resolved(config: SnakeConfig, manifest: dict[str, Any]) -> None:
+    """After setup: fields the planner chose must match the checkpoint as well."""
+    _check_fields(config, manifest)
+
+
+def fill_config(config: SnakeConfig, manifest: dict[str, Any]) -> SnakeConfig:
+    """The trainer's config with its planner-chosen (None) micro_batches, alpha and
+    placement taken from the checkpoint, where it recorded them."""
+    saved = manifest["config"]
+    changes: dict[str, Any] = {}
+    for name in ("micro_batches", "alpha"):
+        if getattr(config, name) is None and saved.get(name) is not None:
+            changes[name] = saved[name]
+    if config.placement is None and saved.get("placement") is not None:
+        changes["placement"] = Placement(**saved["placement"])
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+# -- RNG --------------------------------------------------------------------------------
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"torch/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch/cuda/{i}"] = s
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch/cpu"])
+    cuda = [state[k] for k in sorted(state) if k.startswith("torch/cuda/")]
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# -- saving -----------------------------------------------------------------------------
+def _save_blocking(
+    e: Engine | None, parts: ModelParts, manifest: dict[str, Any], rng: dict[str, torch.Tensor], target: Path
+) -> None:
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(target)
+    _clean_stale(target)
+    tmp = parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(mode=0o755)
+    try:
+        files: dict[str, Any] = {}
+        meta = {"format": FORMAT}
+        read_layer = _engine_layers(e) if e is not None else _model_layer(parts)
+        for layer in range(len(parts.blocks)):
+            tensors = layer_tensors(parts, layer, read_layer(layer))
+            files[layer_file(layer)] = _write_file(tmp / layer_file(layer), st_save(tensors, metadata=meta))
+        files[RESIDENT] = _write_file(tmp / RESIDENT, st_save(resident_tensors(e, parts), metadata=meta))
+        files[RNG] = _write_file(tmp / RNG, st_save({k: v.contiguous() for k, v in rng.items()}, metadata=meta))
+        manifest = {**manifest, "files": files}
+        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        _fsync_dir(tmp)
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _engine_layers(e: Engine) -> Callable[[int], torch.Tensor]:
+    store = e.stores["opt"]
+    buf = alloc_host(max(store.max_tail_bytes, 1), pin=False)
+
+    def read(layer: int) -> torch.Tensor:
+        """(3, P) fp32: master, m, v of one layer, from the CPU heads and SSD tails."""
+        out = torch.empty(3, e.P, dtype=torch.float32)
+        off = 0
+        for part, n in enumerate(e.part_sizes):
+            if not n:
+                continue
+            u = store.unit((layer, part))
+            out[:, off : off + u.k] = store.head(u)
+            if u.tail_n:
+                store.read_tail(u, buf)
+                out[:, off + u.k : off + n] = store.tail(u, buf)
+            off += n
+        return out
+
+    return read
+
+
+def _model_layer(parts: ModelParts) -> Callable[[int], torch.Tensor]:
+    def read(layer: int) -> torch.Tensor:
+        flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in parts.blocks[layer].parameters()])
+        return torch.stack([flat, torch.zeros_like(flat), torch.zeros_like(flat)])
+
+    return read
+
+
+def layer_tensors(parts: ModelParts, layer: int, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    prefix = f"{parts.blocks_prefix}.{layer}."
+    out: dict[str, torch.Tensor] = {}
+    for c, comp in enumerate(COMPS):
+        off = 0
+        for name, shape in block_param_names(parts):
+            n = shape.numel()
+            out[f"{comp}/{prefix}{name}"] = stacked[c, off : off + n].reshape(shape).clone()
+            off += n
+    return out
+
+
+def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for i, (name, p) in enumerate(resident_named_params(parts)):
+        if e is not None:
+            k = e.kernels
+            comps = (k.res_master[i], k.res_m[i], k.res_v[i])
+        else:
+            master = p.detach().to("cpu", torch.float32)
+            comps = (master, torch.zeros_like(master), torch.zeros_like(master))
+        for comp, t in zip(COMPS, comps, strict=True):
+            out[f"{comp}/{name}"] = t.reshape(p.shape).clone()
+    return out
+
+
+def _write_file(path: Path, data: bytes) -> dict[str, Any]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _siblings(target: Path, kind: str) -> list[Path]:
+    pattern = f".{target.name}.{kind}-*"
+    return sorted(target.parent.glob(pattern), key=lambda p: p.stat().st_mtime) if target.parent.is_dir() else []
+
+
+def _check_replaceable(target: Path) -> None:
+    """Refuse to replace anything but a snake checkpoint (or an empty directory)."""
+    if not (target.exists() or target.is_symlink()):
+        return
+    if target.is_symlink() or not target.is_dir():
+        raise SnakeError(f"save: {target} exists and is not a directory; pick another checkpoint path")
+    entries = list(target.iterdir())
+    if entries and not (target / MANIFEST).is_file():
+        raise SnakeError(
+            f"save: {target} exists and is not a snake checkpoint (no {MANIFEST}); "
+            "refusing to replace it: pick an empty or new directory"
+        )
+
+
+def _clean_stale(target: Path) -> None:
+    """Leftovers of a save that crashed: temporary directories go; a previous checkpoint
+    renamed aside goes back in place if the target is missing, else it goes."""
+    for tmp in _siblings(target, "tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    aside = _siblings(target, "old")
+    if aside and not target.exists():
+        _rename(aside.pop(), target)
+    for old in aside:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename the finished `tmp` over `target`, keeping the old checkpoint until then."""
+    aside = None
+    if target.exists():
+        aside = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        _rename(target, aside)
+    try:
+        _rename(tmp, target)
+    except BaseException:
+        if aside is not None:
+            _rename(aside, target)
+        raise
+    _fsync_dir(target.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+# -- loading ----------------------------------------------------------------------------
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(path.read_bytes())
+    except SafetensorError as exc:
+        raise SnakeError(f"load: {path} is not a valid safetensors file: {exc}") from exc
+
+
+def _take(tensors: dict[str, torch.Tensor], key: str, shape: torch.Size, path: Path) -> torch.Tensor:
+    t = tensors.get(key)
+    if t is None:
+        raise SnakeError(f"load: {path} lacks tensor {key!r}: the checkpoint is damaged")
+    if t.dtype != torch.float32 or t.shape != shape:
+        raise SnakeError(
+            f"load: {path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected float32 {tuple(shape)}"
+        )
+    return t
+
+
+def apply_checkpoint(
+    e: Engine, parts: ModelParts, target: Path, manifest: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Blocking, on a freshly set-up engine: overwrite the optimizer and parameter units
+    (heads and tails), the resident state and the counters. Returns the RNG state."""
+    ostore, pstore = e.stores["opt"], e.stores["param"]
+    obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
+    pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
+    spec = block_param_names(parts)
+    for layer in range(e.N):
+        path = target / layer_file(layer)
+        tensors = _read_tensors(path)
+        prefix = f"{parts.blocks_prefix}.{layer}."
+        stacked = torch.stack([
+            torch.cat([_take(tensors, f"{comp}/{prefix}{name}", shape, path).reshape(-1) for name, shape in spec])
+            for comp in COMPS
+        ])
+        off = 0
+        for part, n in enumerate(e.part_sizes):
+            if not n:
+                continue
+            src = stacked[:, off : off + n]
+            off += n
+            ou = ostore.unit((layer, part))
+            ostore.head(ou).copy_(src[:, : ou.k])
+            if ou.tail_n:
+                ostore.tail(ou, obuf).copy_(src[:, ou.k :])
+                ostore.write_tail(ou, obuf)
+            params = src[0].to(e.dtype)  # what the optimizer derives from the master
+            pu = pstore.unit((layer, part))
+            pstore.head(pu)[0].copy_(params[: pu.k])
+            if pu.tail_n:
+                pstore.tail(pu, pbuf)[0].copy_(params[pu.k :])
+                pstore.write_tail(pu, pbuf)
+    path = target / RESIDENT
+    res = _read_tensors(path)
+    k = e.kernels
+    with torch.no_grad():
+        for i, (name, p) in enumerate(resident_named_params(parts)):
+            for comp, dst in zip(COMPS, (k.res_master[i], k.res_m[i], k.res_v[i]), strict=True):
+                dst.copy_(_take(res, f"{comp}/{name}", p.shape, path).reshape(-1))
+            k.res_dev[i].copy_(k.res_master[i].view(k.res_shapes[i]))
+            k.res_grad[i].zero_()
+    synchronize(e.device)
+    step = int(manifest["step"])
+    e.next_t = step
+    # nothing is pending after the flush at save time: the delayed steps of iteration
+    # `step` would apply the gradients of iteration step - 1, which the masters hold
+    e.first_delayed = step + 1 if step > 0 else 0
+    for layer in range(e.N):
+        for part, n in enumerate(e.part_sizes):
+            if n:
+                e.ledger.set(("param", layer, part), step)
+                e.ledger.set(("opt", layer, part), step)
+    rng = _read_tensors(target / RNG)
+    if "torch/cpu" not in rng or rng["torch/cpu"].dtype != torch.uint8:
+        raise SnakeError(f"load: {target / RNG} lacks the torch RNG state: the checkpoint is damaged")
+    return rng

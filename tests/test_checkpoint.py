@@ -1,0 +1,292 @@
+"""Checkpoints: save / load resume bit-exactly (alpha > 0, mixed placement, both schedules),
+skip consumed data, refuse mismatching models and configs, and survive a crash mid-save."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import snake.checkpoint as ckpt
+from snake import ConfigError, Placement, SnakeConfig, SnakeError, SnakeTrainer
+from tests.helpers import batches, tiny_gpt
+
+TIMEOUT = 120
+MIXED = Placement(param=0.5, ckpt=0.5, opt=0.5)
+
+
+def config(tmp_path: Path, name: str, **kw) -> SnakeConfig:
+    base = dict(
+        micro_batches=2, placement=MIXED, alpha=0.3, device="cpu", schedule="vertical",
+        offload_dir=tmp_path / f"off-{name}",
+    )
+    base.update(kw)
+    return SnakeConfig(**base)
+
+
+def model(seed: int = 0, **kw):
+    return tiny_gpt(n_layer=3, bias=False, dropout=0.1, seed=seed, **kw)
+
+
+async def straight(tmp_path, data, steps, **kw):
+    async with SnakeTrainer(model(), data=data, config=config(tmp_path, "straight", **kw)) as t:
+        await t.run(steps)
+        return await t.state_dict()
+
+
+async def first_half(tmp_path, data, steps, where, **kw):
+    async with SnakeTrainer(model(), data=data, config=config(tmp_path, "first", **kw)) as t:
+        await t.run(steps)
+        await t.save(where)
+        return await t.state_dict()
+
+
+async def second_half(tmp_path, data, steps, where, **kw):
+    # a different random init: everything must come from the checkpoint
+    async with SnakeTrainer(model(seed=123), data=data, config=config(tmp_path, "second", **kw)) as t:
+        await t.load(where)
+        loaded = await t.state_dict()
+        await t.run(steps)
+        return loaded, await t.state_dict(), t.source.consumed
+
+
+def assert_equal_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_resume_is_bitwise_identical(tmp_path, schedule):
+    async def body():
+        data = batches(4, 4)
+        want = await straight(tmp_path, data, 4, schedule=schedule)
+        where = tmp_path / "ckpt"
+        mid = await first_half(tmp_path, data, 2, where, schedule=schedule)
+        loaded, got, consumed = await second_half(tmp_path, data, 2, where, schedule=schedule)
+        assert_equal_state(loaded, mid)
+        assert_equal_state(got, want)
+        assert consumed == 4
+        # only safetensors and json, and the manifest says what it should
+        names = {p.name for p in where.iterdir()}
+        assert names and all(n.endswith((".safetensors", ".json")) for n in names)
+        manifest = json.loads((where / "manifest.json").read_text())
+        assert manifest["step"] == 2 and manifest["consumed_batches"] == 2
+        assert manifest["config"]["alpha"] == 0.3 and manifest["config"]["schedule"] == schedule
+        assert set(manifest["files"]) == names - {"manifest.json"}
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]  # no leftovers
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_resume_with_a_dataloader_skips_consumed_batches(tmp_path):
+    async def body():
+        xs = torch.stack([x for x, _ in batches(8, 1)]).squeeze(1)
+        ys = torch.stack([y for _, y in batches(8, 1)]).squeeze(1)
+
+        def loader():
+            return DataLoader(TensorDataset(xs, ys), batch_size=2, shuffle=False)
+
+        want = await straight(tmp_path, loader(), 4)
+        where = tmp_path / "ckpt"
+        await first_half(tmp_path, loader(), 2, where)
+        _, got, consumed = await second_half(tmp_path, loader(), 2, where)
+        assert_equal_state(got, want)
+        assert consumed == 4
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_resume_with_a_list_skips_consumed_batches_and_restores_rng(tmp_path):
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "first")) as t:
+            await t.run(2)
+            torch.manual_seed(77)
+            rng = torch.get_rng_state()
+            await t.save(where)
+        async with SnakeTrainer(model(seed=5), data=data, config=config(tmp_path, "list")) as t:
+            await t.load(where)
+            assert torch.equal(torch.get_rng_state(), rng)  # model(seed=5) reseeded it
+            assert t.source.consumed == 2
+            assert t.source._peeked == [data[2]]  # the next batch handed out is batch 2
+        # without skipping, the same list would resume from batch 0: other weights
+        want = await straight(tmp_path, data, 4)
+        async with SnakeTrainer(model(seed=5), data=data, config=config(tmp_path, "noskip")) as t:
+            await t.load(where, skip_data=False)
+            await t.run(2)
+            other = await t.state_dict()
+        assert not all(torch.equal(other[k], want[k]) for k in want)
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_save_before_run_then_load(tmp_path):
+    async def body():
+        data = batches(3, 4)
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "a")) as t:
+            await t.save(where)
+        want = await straight(tmp_path, data, 3)
+        _, got, _ = await second_half(tmp_path, data, 3, where)
+        assert_equal_state(got, want)
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "other, field",
+    [
+        (dict(n_embd=32), "model."),
+        (dict(n_layer=2), "model.n_layer"),
+        (dict(dtype="bfloat16"), "dtype"),
+        (dict(alpha=0.0), "alpha"),
+        (dict(schedule="horizontal"), "schedule"),
+        (dict(micro_batches=1), "micro_batches"),
+    ],
+)
+async def test_mismatch_is_a_clear_error(tmp_path, other, field):
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        await first_half(tmp_path, data, 1, where)
+        shape = {k: v for k, v in other.items() if k in ("n_embd", "n_layer")}
+        cfg = {k: v for k, v in other.items() if k not in shape}
+        m = tiny_gpt(**{"n_layer": 3, "bias": False, **shape})
+        async with SnakeTrainer(m, data=data, config=config(tmp_path, "b", **cfg)) as t:
+            with pytest.raises(ConfigError) as err:
+                await t.load(where)
+            assert err.value.field.startswith(field)
+            assert "checkpoint" in str(err.value)
+            if "n_embd" in shape:
+                assert "shape" in str(err.value)
+            # a refused checkpoint leaves the trainer as it was: it can still train
+            assert t.engine is None and t.source.consumed == 0
+            await t.run(1)
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "c")) as t:
+            await t.run(2)
+            await t.save(where)
+            at_two = await t.state_dict()
+            before = digest(where)
+            await t.run(1)
+
+            real = ckpt._rename
+
+            def crash(src, dst):
+                if ".tmp-" in Path(src).name:  # the final rename of the new checkpoint
+                    raise OSError("simulated crash")
+                real(src, dst)
+
+            monkeypatch.setattr(ckpt, "_rename", crash)
+            with pytest.raises(OSError, match="simulated crash"):
+                await t.save(where)
+            assert digest(where) == before
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == []
+            monkeypatch.setattr(ckpt, "_rename", real)
+            # the trainer is fine after a failed save; a later save replaces the checkpoint
+            await t.save(tmp_path / "ckpt3")
+            await t.save(tmp_path / "ckpt3")
+            at_three = await t.state_dict()
+        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "d")) as t:
+            await t.load(where)
+            assert_equal_state(await t.state_dict(), at_two)
+        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "e")) as t:
+            await t.load(tmp_path / "ckpt3")
+            assert_equal_state(await t.state_dict(), at_three)
+            assert t.engine is not None and t.engine.next_t == 3
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_crash_between_renames_is_recovered(tmp_path):
+    """A kill after the old checkpoint went aside but before the new one came in: load
+    says where the old one is, and the next save puts it back before replacing it."""
+
+    async def body():
+        data = batches(2, 4)
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "f")) as t:
+            await t.run(1)
+            await t.save(where)
+            aside = tmp_path / ".ckpt.old-123"
+            where.rename(aside)
+            (tmp_path / ".ckpt.tmp-456").mkdir()  # half-written new one
+            async with SnakeTrainer(model(), data=data, config=config(tmp_path, "g")) as other:
+                with pytest.raises(SnakeError, match=r"\.ckpt\.old-123"):
+                    await other.load(where)
+            await t.save(where)
+            assert not aside.exists() and not (tmp_path / ".ckpt.tmp-456").exists()
+            assert (where / "manifest.json").is_file()
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_load_after_run_or_twice_is_refused(tmp_path):
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        await first_half(tmp_path, data, 1, where)
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "h")) as t:
+            await t.run(1)
+            with pytest.raises(SnakeError, match="before its first run"):
+                await t.load(where)
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "i")) as t:
+            await t.load(where)
+            with pytest.raises(SnakeError, match="before its first run"):
+                await t.load(where)
+            await t.run(1)  # still usable
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_damaged_or_foreign_directories(tmp_path):
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        await first_half(tmp_path, data, 1, where)
+        layer = where / ckpt.layer_file(0)
+        raw = bytearray(layer.read_bytes())
+        raw[-1] ^= 0xFF
+        layer.write_bytes(bytes(raw))
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "j")) as t:
+            with pytest.raises(SnakeError, match="sha256"):
+                await t.load(where)
+            with pytest.raises(SnakeError, match="no checkpoint directory"):
+                await t.load(tmp_path / "nowhere")
+            # save refuses to replace a directory that is not a checkpoint
+            foreign = tmp_path / "mine"
+            foreign.mkdir()
+            (foreign / "notes.txt").write_text("keep me")
+            with pytest.raises(SnakeError, match="not a snake checkpoint"):
+                await t.save(foreign)
+            assert (foreign / "notes.txt").read_text() == "keep me"
+
+    await asyncio.wait_for(body(), TIMEOUT)
