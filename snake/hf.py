@@ -1,0 +1,301 @@
+"""Hugging Face `transformers` causal LMs as snake models (the `hf` extra).
+
+`describe_hf(model)` recognises GPT-2 (`GPT2LMHeadModel`) and the Llama family
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`) and returns the `ModelParts`
+snake streams: the decoder layers are the blocks, the embeddings are `pre`, the final norm
+and the LM head are `post`. Any other model gives None (snake then asks for an explicit
+`snake.ModelParts`).
+
+Blocks run outside the model's own `forward`, so the block function supplies what the
+model would pass its layers: a causal mask (None for SDPA / flash attention, which mask
+causally themselves; an additive 4D mask for eager attention or a sliding window shorter
+than the sequence), position ids 0..T-1, and for the Llama family the rotary
+`position_embeddings` (cos, sin) from the model's `rotary_emb`. No KV cache is used.
+
+Dropout is safe: snake forks the RNG per (iteration, layer, micro-batch), so the backward's
+recompute of a layer draws the same masks as its forward.
+
+`load_hf` builds a model from a config or a local directory; `export_hf` writes trained
+weights as a directory `from_pretrained` loads (safetensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from snake.adapters import ModelParts
+from snake.errors import ModelError
+
+__all__ = ["describe_hf", "export_hf", "load_hf"]
+
+_LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# attention implementations that mask causally by themselves when given no mask
+_SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
+_SUPPORTED_ATTN = ("eager", *_SELF_CAUSAL)
+
+
+# -- recognition ----------------------------------------------------------------------------
+
+
+def describe_hf(model: nn.Module) -> ModelParts | None:
+    """ModelParts for a supported Hugging Face causal LM, None for any other module.
+
+    Raises ModelError for a supported class whose configuration snake cannot stream
+    (layers that differ by their index, an unsupported attention implementation)."""
+    if "transformers" not in sys.modules:  # an HF model would have imported it
+        return None
+    import transformers
+
+    if isinstance(model, transformers.GPT2LMHeadModel):
+        return _gpt2_parts(model)
+    for name in _LLAMA_FAMILY:
+        cls = getattr(transformers, name, None)
+        if cls is not None and isinstance(model, cls):
+            return _llama_parts(model)
+    return None
+
+
+def _attn_impl(model: nn.Module) -> str:
+    config: Any = model.config
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in _SUPPORTED_ATTN:
+        raise ModelError(
+            f"model: {type(model).__name__} uses attn_implementation={impl!r}; snake calls its "
+            f"layers directly and supports {list(_SUPPORTED_ATTN)}: load it with "
+            "attn_implementation='sdpa' (or 'eager')"
+        )
+    return impl
+
+
+def _gpt2_parts(model: nn.Module) -> ModelParts:
+    config: Any = model.config
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise ModelError(
+            "model: GPT-2 with scale_attn_by_inverse_layer_idx=True scales each layer's attention "
+            "by its index; snake runs every layer through one shell block and cannot tell them "
+            "apart: pass snake.ModelParts with a block_fn that handles it, or disable the option"
+        )
+    impl = _attn_impl(model)
+    masks = _MaskCache(impl, window=None)
+
+    def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
+        t = m.transformer
+        pos = torch.arange(idx.shape[-1], device=idx.device)
+        return t.drop(t.wte(idx) + t.wpe(pos)[None])
+
+    def post(m: Any, h: torch.Tensor) -> torch.Tensor:
+        return m.lm_head(m.transformer.ln_f(h))
+
+    def block_fn(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return _hidden(block(h, attention_mask=masks.get(h), use_cache=False))
+
+    t: Any = model.transformer
+    return ModelParts(
+        model=model, blocks=list(t.h), blocks_prefix="transformer.h", pre=pre, post=post, block_fn=block_fn
+    )
+
+
+def _llama_parts(model: nn.Module) -> ModelParts:
+    inner: Any = model.model
+    impl = _attn_impl(model)
+    window = _sliding_window(model, impl)
+    masks = _MaskCache(impl, window=window)
+    rotary = _Rotary(getattr(inner, "rotary_emb", None))
+
+    def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
+        return m.model.embed_tokens(idx)
+
+    def post(m: Any, h: torch.Tensor) -> torch.Tensor:
+        return m.lm_head(m.model.norm(h))
+
+    def block_fn(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(h.shape[1], device=h.device)[None]
+        kwargs: dict[str, Any] = {
+            "attention_mask": masks.get(h),
+            "position_ids": position_ids,
+            "use_cache": False,
+        }
+        pe = rotary(h, position_ids)
+        if pe is not None:
+            kwargs["position_embeddings"] = pe
+        return _hidden(block(h, **kwargs))
+
+    return ModelParts(
+        model=model, blocks=list(inner.layers), blocks_prefix="model.layers", pre=pre, post=post, block_fn=block_fn
+    )
+
+
+def _sliding_window(model: nn.Module, impl: str) -> int | None:
+    """The attention window every layer uses, None for full causal attention; ModelError
+    where layers differ (snake streams every layer through one shell block)."""
+    config: Any = model.config
+    n = int(config.num_hidden_layers)
+    name = type(model).__name__
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        kinds = set(list(types)[:n])
+        if len(kinds) > 1:
+            raise ModelError(
+                f"model: {name} mixes attention types across layers ({sorted(kinds)}); snake runs "
+                "every layer through one shell block: use one attention type for all layers or "
+                "pass snake.ModelParts"
+            )
+        kind = kinds.pop()
+        if kind == "full_attention":
+            return None
+        if kind == "sliding_attention":
+            return int(window) if window else None
+        raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
+    if "Qwen2" in name:
+        # transformers without layer_types: eager / SDPA window only where the model-level
+        # mask builder takes the config (~4.48 to 4.52), then with config.sliding_window for
+        # every layer; flash attention windows per layer (from max_window_layers on)
+        if not impl.startswith("flash_attention"):
+            return int(window) if window and _qwen2_mask_windows(model) else None
+        if not getattr(config, "use_sliding_window", False) or not window:
+            return None
+        first_sliding = int(getattr(config, "max_window_layers", 0))
+        if 0 < first_sliding < n:
+            raise ModelError(
+                f"model: {name} uses sliding-window attention from layer {first_sliding} on and "
+                "full attention below; snake streams uniform layers: pass snake.ModelParts"
+            )
+        return int(window) if first_sliding <= 0 else None
+    if "Mistral" in name:
+        return int(window) if window else None
+    return None
+
+
+def _qwen2_mask_windows(model: nn.Module) -> bool:
+    builder = getattr(type(getattr(model, "model", None)), "_prepare_4d_causal_attention_mask_with_cache_position", None)
+    if builder is None:
+        return False
+    try:
+        return "config" in inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- block helpers ---------------------------------------------------------------------------
+
+
+def _hidden(out: Any) -> torch.Tensor:
+    """Decoder layers return a tensor (transformers >= 4.54) or a tuple led by it."""
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+class _MaskCache:
+    """The attention mask a layer needs for a (T, dtype, device): None where the attention
+    kernel masks causally by itself, else an additive (1, 1, T, T) mask with the dtype's
+    minimum above the diagonal (and before the sliding window), as transformers builds it."""
+
+    def __init__(self, impl: str, window: int | None) -> None:
+        self.impl = impl
+        self.window = window
+        self._cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, h: torch.Tensor) -> torch.Tensor | None:
+        T = h.shape[1]
+        needs_window = self.window is not None and T > self.window
+        if self.impl.startswith("flash_attention"):
+            return None  # flash kernels get the window from the layer itself
+        if self.impl in _SELF_CAUSAL and not needs_window:
+            return None
+        key = (T, h.dtype, h.device)
+        with self._lock:
+            mask = self._cache.get(key)
+            if mask is None:
+                q = torch.arange(T, device=h.device)[:, None]
+                k = torch.arange(T, device=h.device)[None, :]
+                allowed = k <= q
+                if needs_window:
+                    assert self.window is not None
+                    allowed &= k > q - self.window
+                mask = torch.zeros(T, T, dtype=h.dtype, device=h.device)
+                mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
+                mask = mask[None, None]
+                if len(self._cache) > 16:
+                    self._cache.clear()
+                self._cache[key] = mask
+        return mask
+
+
+class _Rotary:
+    """(cos, sin) for positions 0..T-1 from a private copy of the model's `rotary_emb`, one
+    copy per device (its buffers are the model's, outside the blocks, so the shell block
+    that snake runs on the device does not carry them). None where the model has no
+    model-level rotary embedding (older transformers: the layers compute it)."""
+
+    def __init__(self, rotary: nn.Module | None) -> None:
+        self.rotary = copy.deepcopy(rotary) if rotary is not None else None
+        self._per_device: dict[torch.device, nn.Module] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.rotary is None:
+            return None
+        with self._lock:
+            mod = self._per_device.get(h.device)
+            if mod is None:
+                mod = copy.deepcopy(self.rotary).to(h.device)
+                self._per_device[h.device] = mod
+        with torch.no_grad():
+            cos, sin = mod(h, position_ids)
+        return cos, sin
+
+
+# -- loading and export ----------------------------------------------------------------------
+
+
+def load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
+    """A causal LM from a `transformers` config object (fresh weights, `from_config`) or a
+    local directory with a config and safetensors weights (`from_pretrained`, no network).
+    `kwargs` go to transformers (e.g. `attn_implementation`, `dtype`); the attention
+    implementation defaults to "sdpa"."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    kwargs.setdefault("attn_implementation", "sdpa")
+    if isinstance(path_or_config, PretrainedConfig):
+        return AutoModelForCausalLM.from_config(path_or_config, **kwargs)
+    if isinstance(path_or_config, str | os.PathLike):
+        path = Path(path_or_config)
+        if not path.is_dir():
+            raise ModelError(
+                f"load_hf: {str(path)!r} is not a directory; pass a local directory with "
+                "config.json and *.safetensors weights, or a transformers config object"
+            )
+        kwargs.setdefault("use_safetensors", True)
+        kwargs.setdefault("local_files_only", True)
+        return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    raise ModelError(
+        f"load_hf: expected a transformers PretrainedConfig or a directory path, got "
+        f"{type(path_or_config).__name__}"
+    )
+
+
+def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
+    """Load `state_dict` (e.g. `await trainer.state_dict()`) into `model` (strictly, cast to
+    the model's dtypes) and save it with `save_pretrained` as safetensors in `out_dir`, which
+    `from_pretrained` / `load_hf` load. Returns the directory."""
+    save: Callable[..., Any] | None = getattr(model, "save_pretrained", None)
+    if save is None:
+        raise ModelError(f"export_hf: {type(model).__name__} is not a transformers model (no save_pretrained)")
+    model.load_state_dict(dict(state_dict), strict=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save(str(out))  # safetensors is the default (the only format in transformers >= 5)
+    if not any(out.glob("*.safetensors")):
+        raise ModelError(f"export_hf: save_pretrained wrote no safetensors file in {str(out)!r}")
+    return out
