@@ -101,6 +101,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "consumed_batches": trainer.source.consumed,
             "config": config_record(trainer.config),
             "model": model_spec(trainer.parts),
+            "model_config": model_config(trainer.parts),
         }
         rng = rng_state()
         work = functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target)
@@ -184,6 +185,21 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
     }
+
+
+def model_config(parts: ModelParts) -> dict[str, Any] | None:
+    """What `snake export` needs to rebuild the model: the built-in GPT's config, or a
+    transformers model's config dict; None for other models."""
+    from snake.models.gpt import GPT
+
+    model = parts.model
+    if isinstance(model, GPT):
+        return {"kind": "snake.gpt", **dataclasses.asdict(model.config)}
+    cfg = getattr(model, "config", None)
+    to_dict = getattr(cfg, "to_dict", None)
+    if callable(to_dict):
+        return {"kind": "transformers", **to_dict()}
+    return None
 
 
 def model_spec(parts: ModelParts) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint here at the end")
 
 
 def _placement(text: str) -> Placement:
@@ -96,6 +97,9 @@ async def _train(args: argparse.Namespace, offload_dir: str) -> int:
             "trace_summary": trainer.trace.summary(),
         }
         (out / "report.json").write_text(json.dumps(report_json, indent=2))
+        if args.checkpoint:
+            await trainer.save(args.checkpoint)
+            print(f"checkpoint: {args.checkpoint} (snake export {args.checkpoint} --hf DIR)")
     print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s; wrote trace.json, report.json, timeline.png to {out}")
     return 0
 
@@ -153,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
     sub.add_parser("plan", help="profile this machine and plan placement, alpha and micro-batches", add_help=False)
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (from_pretrained)")
+    ex.add_argument("checkpoint")
+    ex.add_argument("--hf", required=True, metavar="DIR", help="output directory")
     sub.add_parser("trace", help="summarize or plot a trace.json", add_help=False)
     if argv and argv[0] == "trace":
         return _trace(argv[1:])
@@ -162,6 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.cmd == "export":
+        from snake.errors import SnakeError
+        from snake.export import export_checkpoint_hf
+
+        try:
+            out = export_checkpoint_hf(args.checkpoint, args.hf)
+        except SnakeError as e:
+            print(f"snake export: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {out} (load it with transformers' from_pretrained)")
+        return 0
     if args.cmd == "train":
         Path(args.out).mkdir(parents=True, exist_ok=True)
         try:

@@ -1,0 +1,91 @@
+"""`snake export CHECKPOINT --hf OUT`: a checkpoint's fp32 master weights as a model that
+`transformers` loads with `from_pretrained`. The built-in GPT becomes a GPT2LMHeadModel
+(same math: exact GELU, tied head, LayerNorm eps 1e-5; missing biases are zeros);
+a Hugging Face model is rebuilt from its own config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from snake.errors import SnakeError
+
+_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest, fp32 master weights by parameter name) of a snake checkpoint."""
+    d = Path(directory)
+    try:
+        manifest = json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SnakeError(f"export: {d} is not a snake checkpoint (manifest.json: {e})") from e
+    masters: dict[str, torch.Tensor] = {}
+    for name in manifest["files"]:
+        if name.endswith(".safetensors") and name != "rng.safetensors":
+            for key, t in load_file(d / name).items():
+                if key.startswith("master/"):
+                    masters[key[len("master/") :]] = t
+    return manifest, masters
+
+
+def gpt_to_gpt2(config: dict[str, Any], masters: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A transformers GPT2Config and GPT2LMHeadModel state dict for the built-in GPT."""
+    from transformers import GPT2Config
+
+    c = config["n_embd"]
+    hf = GPT2Config(
+        vocab_size=config["vocab_size"], n_positions=config["block_size"], n_embd=c, n_layer=config["n_layer"],
+        n_head=config["n_head"], activation_function="gelu", resid_pdrop=config["dropout"],
+        embd_pdrop=config["dropout"], attn_pdrop=config["dropout"], layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+    )
+    sd: dict[str, torch.Tensor] = {"transformer.wte.weight": masters["wte.weight"], "transformer.wpe.weight": masters["wpe.weight"]}
+    sd["lm_head.weight"] = masters["wte.weight"]
+    zeros = {"ln_1.bias": c, "ln_2.bias": c, "attn.c_attn.bias": 3 * c, "attn.c_proj.bias": c, "mlp.c_fc.bias": 4 * c, "mlp.c_proj.bias": c}
+    for i in range(config["n_layer"]):
+        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
+        for name in ("ln_1.weight", "ln_2.weight", *_TRANSPOSED, *zeros):
+            t = masters.get(src + name)
+            if t is None:
+                t = torch.zeros(zeros[name])
+            sd[dst + name] = t.t().contiguous() if name in _TRANSPOSED else t
+    sd["transformer.ln_f.weight"] = masters["ln_f.weight"]
+    sd["transformer.ln_f.bias"] = masters.get("ln_f.bias", torch.zeros(c))
+    return hf, sd
+
+
+def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Blocking: write `checkpoint`'s weights as a `from_pretrained` directory in `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
+
+    from snake.hf import export_hf
+
+    manifest, masters = read_masters(checkpoint)
+    config = manifest.get("model_config")
+    if not config:
+        raise SnakeError(
+            f"export: {checkpoint} does not record its model's config (a custom ModelParts model?); "
+            "load its weights with snake.export.read_masters and save them yourself"
+        )
+    kind = config.pop("kind")
+    if kind == "snake.gpt":
+        hf_config, sd = gpt_to_gpt2(config, masters)
+        model = GPT2LMHeadModel(hf_config)
+        return export_hf(sd, model, out)
+    model_type = config.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    canonical = {name: names[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    sd = {}
+    for key, value in model.state_dict().items():
+        src = canonical.get(key, key)
+        sd[key] = masters[src] if src in masters else masters.get(key, value)
+    return export_hf(sd, model, out)

@@ -1,0 +1,57 @@
+"""`snake export CHECKPOINT --hf DIR` writes a model transformers loads with
+from_pretrained, giving the same logits as the trained weights."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from snake import Placement, SnakeConfig, SnakeTrainer
+from snake.cli import main
+from snake.hf import load_hf
+from tests.helpers import batches, tiny_gpt
+
+
+async def _train_and_save(model, tmp_path, data):
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.3, device="cpu")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await trainer.run(2)
+        await trainer.save(tmp_path / "ckpt")
+        return await trainer.state_dict()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bias", [True, False])
+async def test_builtin_gpt_exports_as_gpt2(tmp_path, bias):
+    model = tiny_gpt(n_layer=2, bias=bias)
+    data = batches(3, 4)
+    state = await _train_and_save(model, tmp_path, data)
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    model.load_state_dict(state)
+    model.eval()
+    hf.eval()
+    x = data[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_llama_exports(tmp_path):
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = load_hf(cfg)
+    data = batches(3, 4)
+    state = await _train_and_save(model, tmp_path, data)
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    hf = load_hf(tmp_path / "hf")
+    model.load_state_dict(state)
+    x = data[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_non_checkpoint_fails_clearly(tmp_path, capsys):
+    assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 2
+    assert "not a snake checkpoint" in capsys.readouterr().err
