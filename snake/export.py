@@ -80,7 +80,7 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
     model_type = config.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **config)
     model = AutoModelForCausalLM.from_config(hf_config)
-    names = {}
+    names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     canonical = {name: names[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
