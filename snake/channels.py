@@ -24,6 +24,7 @@ class Mailbox:
         self.name = name
         self._q: asyncio.Queue[Any] = asyncio.Queue(maxsize=maxsize)
         self._stash: dict[Hashable, Any] = {}
+        self.waiting: Hashable | None = None  # the key its consumer waits for (diagnostics)
 
     async def put(self, msg: Any) -> None:
         await self._q.put(msg)
@@ -38,11 +39,15 @@ class Mailbox:
     async def take(self, key: Hashable) -> Any:
         if key in self._stash:
             return self._stash.pop(key)
-        while True:
-            msg = await self._q.get()
-            if msg.key == key:
-                return msg
-            self._stash[msg.key] = msg
+        self.waiting = key
+        try:
+            while True:
+                msg = await self._q.get()
+                if msg.key == key:
+                    return msg
+                self._stash[msg.key] = msg
+        finally:
+            self.waiting = None
 
     def pending(self) -> list[Any]:
         """Everything not yet taken (for cleanup after a failure)."""

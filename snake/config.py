@@ -92,6 +92,8 @@ class SnakeConfig:
     loss_scale: static loss scale used with float16 (ignored otherwise).
     optimizer_workers: CPU optimizer threads (one actor each).
     io_threads: threads doing blocking SSD reads and writes.
+    stall_timeout_s: when no actor finishes any work for this long, run() fails with
+        ActorFailed naming the stalled actor (None: wait forever).
     """
 
     micro_batches: int | None = 1
@@ -109,6 +111,7 @@ class SnakeConfig:
     loss_scale: float = 1024.0
     optimizer_workers: int = 2
     io_threads: int = 2
+    stall_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         m = self.micro_batches
@@ -144,6 +147,9 @@ class SnakeConfig:
             raise ConfigError("ssd_bandwidth_bytes_per_s", bw, "must be > 0 bytes/s or None (no cap)")
         if not (isinstance(self.loss_scale, int | float) and self.loss_scale > 0):
             raise ConfigError("loss_scale", self.loss_scale, "must be > 0")
+        st = self.stall_timeout_s
+        if st is not None and (not isinstance(st, int | float) or not st > 0):
+            raise ConfigError("stall_timeout_s", st, "must be > 0 seconds or None (no watchdog)")
         for name in ("optimizer_workers", "io_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -64,6 +64,7 @@ class Engine:
         self.next_t = 0  # next iteration to run
         self.first_delayed = 0  # delayed steps are due from this iteration on
         self.failed = False
+        self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None
         use_gds = device.type == "cuda"
         store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)

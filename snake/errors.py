@@ -32,6 +32,11 @@ class StorageError(SnakeError, OSError):
     """The SSD tier failed: the message names the file, the offset and the operation."""
 
 
+class StallError(SnakeError, TimeoutError):
+    """No actor made progress for `stall_timeout_s`: something hangs (a disk that does not
+    answer, a deadlock). The message says what each actor was doing."""
+
+
 class ActorFailed(SnakeError, RuntimeError):
     """An actor of the runtime raised. `__cause__` holds the original exception.
 

@@ -16,7 +16,7 @@ from snake.actors.storage_mover import SsdRead, SsdWrite
 from snake.channels import Mailbox, StageClock
 from snake.data import DataSource
 from snake.engine import Engine
-from snake.errors import ActorFailed
+from snake.errors import ActorFailed, StallError
 
 
 async def _guarded(actor: Actor) -> None:
@@ -26,6 +26,46 @@ async def _guarded(actor: Actor) -> None:
         raise ActorFailed(
             actor.name, exc, iteration=actor.iteration, layer=actor.layer, micro_batch=actor.micro_batch
         ) from exc
+
+
+async def _watchdog(
+    engine: Engine, actors: list[Actor], mailboxes: list[Mailbox], tasks: list[asyncio.Task[None]], stall_s: float
+) -> None:
+    """Fails the run when no actor finishes any work for `stall_s` seconds, blaming the
+    actor whose work in progress is oldest (else compute, which waits for its inputs)."""
+    done = asyncio.Event()
+    left = [len(tasks)]
+
+    def one_done(_: asyncio.Task[None]) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+
+    for t in tasks:
+        t.add_done_callback(one_done)
+    tracer = engine.tracer
+    mark, since = tracer.last_end_s, tracer.now()
+    tick = min(1.0, stall_s / 4)
+    while True:
+        try:
+            await asyncio.wait_for(done.wait(), tick)
+            return
+        except TimeoutError:
+            pass
+        if tracer.last_end_s != mark:
+            mark, since = tracer.last_end_s, tracer.now()
+            continue
+        if tracer.now() - since < stall_s:
+            continue
+        busy = sorted(((a.busy[1], i) for i, a in enumerate(actors) if a.busy), key=lambda x: x[0])
+        culprit = actors[busy[0][1]] if busy else next(a for a in actors if a.name == "compute")
+        now = tracer.now()
+        doing = [f"{a.name} busy with {a.busy[0]!r} for {now - a.busy[1]:.1f} s" for a in actors if a.busy]
+        waits = [f"{m.name} waits for {m.waiting}" for m in mailboxes if m.waiting is not None]
+        stall = StallError(f"no actor finished any work for {stall_s:.1f} s; " + "; ".join(doing + waits))
+        raise ActorFailed(
+            culprit.name, stall, iteration=culprit.iteration, layer=culprit.layer, micro_batch=culprit.micro_batch
+        ) from stall
 
 
 def build_actors(
@@ -76,10 +116,14 @@ async def run_iterations(
     iterations = range(engine.next_t, engine.next_t + steps)
     reports: list[StepReport] = []
     actors, mailboxes = build_actors(engine, source, iterations, reports, vocab_size=vocab_size, on_step=on_step)
+    for a in actors:
+        a.fault_hook = engine.fault_hook
     try:
         async with asyncio.TaskGroup() as tg:
-            for a in actors:
-                tg.create_task(_guarded(a), name=a.name)
+            tasks = [tg.create_task(_guarded(a), name=a.name) for a in actors]
+            timeout = engine.config.stall_timeout_s
+            if timeout is not None:
+                tg.create_task(_watchdog(engine, actors, mailboxes, tasks, timeout), name="watchdog")
     except BaseExceptionGroup as eg:
         failures = [x for x in eg.exceptions if isinstance(x, ActorFailed)]
         if not failures:

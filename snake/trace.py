@@ -37,6 +37,7 @@ class Tracer:
         self._t0 = time.perf_counter()
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._tracks: dict[str, int] = {}
+        self.last_end_s = 0.0  # when the last span ended: progress, for the stall watchdog
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -54,6 +55,7 @@ class Tracer:
     ) -> None:
         if actor not in self._tracks:
             self._tracks[actor] = len(self._tracks) + 1
+        self.last_end_s = end_s
         self.spans.append(Span(actor, name, start_s, end_s, link, int(bytes)))
 
     def chrome(self) -> dict[str, Any]:

@@ -3,7 +3,7 @@ and running blocking work on an executor with a trace span around it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
@@ -21,6 +21,8 @@ class Actor:
         self.iteration: int | None = None
         self.layer: int | None = None
         self.micro_batch: int | None = None
+        self.busy: tuple[str, float] | None = None  # (label, start) of work in progress
+        self.fault_hook: Callable[[str, str], Awaitable[None]] | None = None  # tests only
 
     def at(self, iteration: int | None, layer: int | None = None, micro_batch: int | None = None) -> None:
         self.iteration, self.layer, self.micro_batch = iteration, layer, micro_batch
@@ -29,9 +31,13 @@ class Actor:
         self, executor: Executor, label: str, fn: Callable[..., R], *args: Any, **span: Any
     ) -> R:
         start = self.tracer.now()
+        self.busy = (label, start)
         try:
+            if self.fault_hook is not None:
+                await self.fault_hook(self.name, label)
             return await run_blocking(executor, fn, *args)
         finally:
+            self.busy = None
             self.tracer.add(self.name, label, start, self.tracer.now(), **span)
 
     async def run(self) -> None:  # pragma: no cover - interface

@@ -35,11 +35,18 @@ class PosixFile:
             raise
         self.nbytes = nbytes
 
+    # the system calls, an attribute so that fault injection (snake.faults) can wrap them
+    _preadv = staticmethod(os.preadv)
+    _pwritev = staticmethod(os.pwritev)
+
     def pread(self, buf: memoryview, offset: int) -> None:
         done = 0
         total = len(buf)
         while done < total:
-            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            try:
+                n = self._preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise self._error("read", total, offset, e) from e
             if n <= 0:
                 raise StorageError(
                     errno.EIO,
@@ -52,12 +59,19 @@ class PosixFile:
         done = 0
         total = len(buf)
         while done < total:
-            n = os.pwritev(self._fd, [buf[done:]], offset + done)
+            try:
+                n = self._pwritev(self._fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise self._error("write", total, offset, e) from e
             if n <= 0:
                 raise StorageError(
                     errno.EIO, f"short write to {self.path} at offset {offset + done}"
                 )
             done += n
+
+    def _error(self, op: str, nbytes: int, offset: int, e: OSError) -> StorageError:
+        hint = " (the disk is full: free space in the offload_dir or place more on CPU)" if e.errno == errno.ENOSPC else ""
+        return StorageError(e.errno or errno.EIO, f"{op} of {nbytes} bytes at offset {offset} of {self.path} failed: {e.strerror}{hint}")
 
     def close(self) -> None:
         if self._fd >= 0:
