@@ -1,0 +1,218 @@
+"""Shared helpers of the benchmarks: models, data, one snake run, one plain-PyTorch run.
+
+Every run uses a fresh model (same seed) and a fresh offload directory; the first step of
+each run is a warm-up and is discarded from every timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from snake import Placement, SnakeConfig, SnakeTrainer  # noqa: E402
+from snake.models import GPT, GPTConfig  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+# offload dirs: on the real disk (O_DIRECT works there; /tmp may be tmpfs elsewhere)
+SCRATCH = Path(os.environ.get("SNAKE_BENCH_DIR", ROOT / "benchmarks" / ".scratch"))
+MB = 1e6
+
+
+def machine() -> dict[str, Any]:
+    try:
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return {
+        "host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "load_avg_at_start": os.getloadavg(),
+    }
+
+
+def gpt_config(n_layer: int, n_embd: int, seq: int, vocab: int = 256) -> GPTConfig:
+    return GPTConfig(n_layer=n_layer, n_head=max(1, n_embd // 64), n_embd=n_embd,
+                     vocab_size=vocab, block_size=seq)
+
+
+def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def make_batches(cfg: GPTConfig, global_batch: int, seq: int, n: int, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, cfg.vocab_size, (global_batch, seq), generator=g),
+         torch.randint(0, cfg.vocab_size, (global_batch, seq), generator=g))
+        for _ in range(n)
+    ]
+
+
+def model_flops_per_token(cfg: GPTConfig, seq: int) -> float:
+    """6 x (block params + head matmul) + attention (12 x layers x seq x width), per token:
+    model FLOPs (recomputation not counted)."""
+    n = cfg.n_layer * cfg.block_params() + cfg.vocab_size * cfg.n_embd
+    return 6.0 * n + 12.0 * cfg.n_layer * seq * cfg.n_embd
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def traffic_summary(traffic: dict[tuple[str, str, str], int]) -> dict[str, Any]:
+    """Bytes per link (src->dst) and per link and kind, one iteration."""
+    links: dict[str, int] = defaultdict(int)
+    kinds: dict[str, int] = {}
+    for (src, dst, kind), b in sorted(traffic.items()):
+        links[f"{src}->{dst}"] += b
+        kinds[f"{src}->{dst}:{kind}"] = b
+    ssd = sum(b for (s, d, _k), b in traffic.items() if "ssd" in (s, d))
+    return {"links": dict(links), "by_kind": kinds, "ssd_bytes": ssd}
+
+
+async def snake_run_async(
+    cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
+    placement: Placement | None, alpha: float | None, schedule: str = "vertical",
+    cap: float | None = None, cpu_memory_bytes: int | None = None, seed: int = 0,
+    probe=None,
+) -> dict[str, Any]:
+    """One trainer, `steps` iterations; step 0 is discarded. `probe`: an async callable
+    started next to run() (for loop-lag measurements); its result goes in out['probe']."""
+    model = make_model(cfg, seed)
+    data = make_batches(cfg, micro_batches * micro_batch_size, seq, steps)
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+        conf = SnakeConfig(
+            micro_batches=micro_batches, offload_dir=d, placement=placement, alpha=alpha,
+            schedule=schedule, device="cpu", ssd_bandwidth_bytes_per_s=cap,
+            cpu_memory_bytes=cpu_memory_bytes, seed=seed,
+        )
+        async with SnakeTrainer(model, data=data, config=conf) as t:
+            stop = asyncio.Event()
+            ptask = asyncio.create_task(probe(stop)) if probe else None
+            t0 = time.perf_counter()
+            report = await t.run(steps)
+            wall = time.perf_counter() - t0
+            stop.set()
+            probe_out = await ptask if ptask else None
+            summ = t.trace.summary()
+            n_spans = len(t.trace.spans)
+            traffic = t.traffic()
+            resolved = t.config
+    secs = [s.seconds for s in report.steps[1:]]
+    tokens = report.steps[-1].tokens
+    it = statistics.median(secs)
+    return {
+        "schedule": schedule, "micro_batches": micro_batches, "cap_bytes_per_s": cap,
+        "placement": {k: getattr(resolved.placement, k) for k in ("param", "ckpt", "opt")},
+        "alpha": resolved.alpha,
+        "step_seconds": [s.seconds for s in report.steps], "iteration_seconds": stats(secs),
+        "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,
+        "tflops": model_flops_per_token(cfg, seq) * tokens / it / 1e12,
+        "losses": [s.loss for s in report.steps],
+        "traffic": traffic_summary(traffic),
+        "busy_fraction": {a: round(v["busy_fraction"], 3) for a, v in summ["actors"].items()},
+        "busy_s_per_iteration": {a: v["busy_s"] / steps for a, v in summ["actors"].items()},
+        "links": summ["links"], "wall_s": wall, "probe": probe_out,
+        "spans_per_iteration": n_spans / steps,
+    }
+
+
+def snake_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(snake_run_async(cfg, **kw))
+
+
+def torch_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
+    """`torch_loop` on one worker thread, as snake's compute actor runs its kernels (on this
+    loaded 2-core machine, torch ops issued from the main thread with 2 OpenMP threads ran
+    2-10x slower than the same ops from a worker thread: see BENCHMARKS.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="torch-baseline") as ex:
+        return ex.submit(torch_loop, cfg, **kw).result()
+
+
+def torch_loop(
+    cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
+    activation_checkpointing: bool, seed: int = 0,
+) -> dict[str, Any]:
+    """Plain in-memory PyTorch: gradient accumulation over micro-batches + torch.optim.AdamW
+    (fused where the build has it), optionally torch.utils.checkpoint per block."""
+    model = make_model(cfg, seed)
+    data = make_batches(cfg, micro_batches * micro_batch_size, seq, steps)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_s, fb_s, opt_s, losses = [], [], [], []
+    for x, y in data:
+        t0 = time.perf_counter()
+        total = 0.0
+        for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+            h = model.embed(xi)
+            for blk in model.blocks:
+                h = checkpoint(blk, h, use_reentrant=False) if activation_checkpointing else blk(h)
+            logits = model.head(h)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yi.reshape(-1)) / micro_batches
+            loss.backward()
+            total += float(loss.detach())
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        step_s.append(t2 - t0)
+        fb_s.append(t1 - t0)
+        opt_s.append(t2 - t1)
+        losses.append(total)
+    it = statistics.median(step_s[1:])
+    tokens = micro_batches * micro_batch_size * seq
+    return {
+        "schedule": "torch+ckpt" if activation_checkpointing else "torch", "micro_batches": micro_batches,
+        "step_seconds": step_s, "iteration_seconds": stats(step_s[1:]),
+        "fwd_bwd_seconds": stats(fb_s[1:]), "optimizer_seconds": stats(opt_s[1:]),
+        "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,
+        "tflops": model_flops_per_token(cfg, seq) * tokens / it / 1e12, "losses": losses,
+    }
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def save(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
+
+
+def figure(nrows: int = 1, ncols: int = 1, size=(7, 4.5)):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(nrows * ncols)]
+    return fig, axes

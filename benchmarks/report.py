@@ -1,0 +1,127 @@
+"""Print the markdown tables of BENCHMARKS.md from benchmarks/results/*.json.
+
+    python benchmarks/report.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+R = Path(__file__).resolve().parent / "results"
+
+
+def load(name: str):
+    p = R / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def fmt(x, d=1):
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def throughput() -> None:
+    d = load("throughput")
+    if not d:
+        return
+    print("### throughput\n")
+    runs, roof = d["runs"], d["rooflines"]
+    for label in ("capped", "uncapped"):
+        print(f"\n{label}: tokens/s, median of timed steps [min-max]\n")
+        print("| M | vertical | horizontal | v/h | PyTorch | PyTorch+ckpt | compute roof (profile) | compute roof (torch+ckpt fwd/bwd) | I/O roof | vertical / min(compute torch+ckpt, I/O) | vertical / own SSD traffic at cap |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for i, rv in enumerate(runs[f"vertical_{label}"]):
+            rh = runs[f"horizontal_{label}"][i]
+            rt, rc = runs["torch"][i], runs["torch+ckpt"][i]
+            rr = roof[label][i]
+            vr = d["summary"][label]["vertical_vs_roofline"][i]
+
+            def cell(r):
+                it = r["iteration_seconds"]
+                tok = r["tokens_per_iteration"]
+                return f"{r['tokens_per_s']:.0f} [{tok / it['max']:.0f}-{tok / it['min']:.0f}]"
+
+            print(f"| {rv['micro_batches']} | {cell(rv)} | {cell(rh)} | {rv['tokens_per_s'] / rh['tokens_per_s']:.2f} | "
+                  f"{cell(rt)} | {cell(rc)} | {rr['compute_roofline_profile']:.0f} | {rr['compute_roofline_torch_ckpt']:.0f} | "
+                  f"{rr['io_roofline']:.0f} | {rv['tokens_per_s'] / rr['roofline']:.2f} | {fmt(rv['tokens_per_s'] / vr['ssd_traffic_roofline'] if vr['ssd_traffic_roofline'] else None, 2)} |")
+        print(f"\n{label}: model TFLOP/s and bytes per iteration (MB)\n")
+        print("| M | vertical TFLOP/s | horizontal TFLOP/s | vertical SSD MB | horizontal SSD MB | vertical cpu->gpu MB | horizontal cpu->gpu MB | vertical gpu->cpu MB | horizontal gpu->cpu MB |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for i, rv in enumerate(runs[f"vertical_{label}"]):
+            rh = runs[f"horizontal_{label}"][i]
+            lv, lh = rv["traffic"]["links"], rh["traffic"]["links"]
+            print(f"| {rv['micro_batches']} | {rv['tflops']:.4f} | {rh['tflops']:.4f} | {rv['traffic']['ssd_bytes'] / 1e6:.0f} | "
+                  f"{rh['traffic']['ssd_bytes'] / 1e6:.0f} | {lv.get('cpu->gpu', 0) / 1e6:.0f} | {lh.get('cpu->gpu', 0) / 1e6:.0f} | "
+                  f"{lv.get('gpu->cpu', 0) / 1e6:.0f} | {lh.get('gpu->cpu', 0) / 1e6:.0f} |")
+    print("\nsummary:", json.dumps({k: v for k, v in d["summary"].items()}, indent=1))
+
+
+def rounds(r) -> str:
+    xs = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
+    return f"{r['tokens_per_s']:.0f}" + (f" [{min(xs):.0f}-{max(xs):.0f}]" if len(xs) > 1 else "")
+
+
+def delay() -> None:
+    d = load("delay_and_ssd")
+    if not d:
+        return
+    print("\n### delay_and_ssd\n")
+    print("| M | alpha=0 tok/s | planned alpha | planned-alpha tok/s | ratio | all-SSD tok/s (alpha) | planned placement (param/ckpt/opt, alpha) | planned tok/s | ratio | SSD MB all-SSD / planned |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in d["rows"]:
+        rr = r["runs"]
+        pb = r["planned_budget"]
+        pl = pb["placement"]
+        print(f"| {r['M']} | {rounds(rr['alpha0'])} | {r['planned_alpha_opt_on_ssd']:.2f} | "
+              f"{rounds(rr['alpha_planned'])} | {r['alpha_planned_over_alpha0']:.2f} | "
+              f"{rounds(rr['all_ssd'])} ({r['all_ssd_alpha']:.2f}) | {pl['param']:.2f}/{pl['ckpt']:.2f}/{pl['opt']:.2f}, {pb['alpha']:.2f} | "
+              f"{rounds(rr['planned_placement'])} | {r['planned_over_all_ssd']:.2f} | "
+              f"{rr['all_ssd']['traffic']['ssd_bytes'] / 1e6:.0f} / {rr['planned_placement']['traffic']['ssd_bytes'] / 1e6:.0f} |")
+
+
+def storage() -> None:
+    d = load("storage")
+    if not d:
+        return
+    print("\n### storage\n")
+    print(json.dumps(d["summary"], indent=1))
+
+
+def overheads() -> None:
+    d = load("overheads")
+    if not d:
+        return
+    print("\n### overheads\n")
+    for k, r in d["runs"].items():
+        print(k, {a: round(b, 2) for a, b in r["probe"].items() if a != "hist_ms"}, r["busy_fraction"],
+              "it s", r["iteration_seconds"], "spans/it", r["spans_per_iteration"])
+    print("peak rss", d["peak_rss_mib"], "model", d["planner_host_memory_model_mib"], "mailbox", d["mailbox"])
+
+
+def plan() -> None:
+    d = load("plan_accuracy")
+    if not d:
+        return
+    print("\n### plan_accuracy\n")
+    print("| setting | n | planner's n | alpha | placement p/c/o | binding | predicted s | measured s [min-max] | error | compute busy s/it | ssd_read busy s/it | model compute s/it |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, s in d["settings"].items():
+        for r in s["rows"]:
+            if "predicted_s" not in r:
+                print(f"| {name} | {r['n']} | infeasible: {r['infeasible']} |")
+                continue
+            pl = r["placement"]
+            b = r["busy_s_per_iteration"]
+            print(f"| {name} | {r['n']} | {'yes' if r['chosen_by_planner'] else ''} | {r['alpha']:.2f} | "
+                  f"{pl['param']:.2f}/{pl['ckpt']:.2f}/{pl['opt']:.2f} | {', '.join(r['binding'])} | {r['predicted_s']:.3f} | "
+                  f"{r['measured_s']:.3f} [{r['measured_min_s']:.3f}-{r['measured_max_s']:.3f}] | {r['error']:+.0%} | "
+                  f"{b.get('compute', 0):.3f} | {b.get('ssd_read', 0):.3f} | {r['model_assumes']['compute_s']:.3f} |")
+        print("\nprofile", name, {k: v for k, v in s["profile"].items() if k != "shape"})
+
+
+if __name__ == "__main__":
+    throughput()
+    delay()
+    storage()
+    overheads()
+    plan()
