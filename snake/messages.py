@@ -30,7 +30,8 @@ class ParamsOnDevice:
     t: int
     g: int
     layer: int
-    slot: torch.Tensor  # flat compute-dtype parameters; return to the device param pool
+    slot: torch.Tensor  # flat compute-dtype parameters
+    pooled: bool = True  # return `slot` to the device param pool (False: a view of CPU memory)
 
     @property
     def key(self) -> Hashable:

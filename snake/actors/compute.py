@@ -85,7 +85,8 @@ class Compute(Actor):
                     else:
                         carry = await self._backward(t, g, stage, sp, params.slot, batch, carry)
                 finally:
-                    e.param_slots.release(params.slot)
+                    if params.pooled:
+                        e.param_slots.release(params.slot)
             self.at(t)
             await self._k("resident step", e.kernels.resident_step, t + 1)
             loss = await self._k("loss", _total, losses)

@@ -36,6 +36,19 @@ from snake.messages import (
 from snake.plans import H2DOp
 
 
+def alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over `base`'s memory at element `offset`, contiguous, with a version counter
+    of its own: the store's other units are written while this one is in use, and autograd
+    must not take those writes for changes to this one."""
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    out = torch.empty(0, dtype=base.dtype, device=base.device)
+    return out.set_(base.untyped_storage(), base.storage_offset() + offset, shape, tuple(reversed(stride)))
+
+
 class HostToDevice(Actor):
     name = "h2d"
 
@@ -60,6 +73,14 @@ class HostToDevice(Actor):
     async def _params(self, op: H2DOp) -> None:
         e, layer = self.e, op.load.layer
         store = e.stores["param"]
+        view = self._cpu_view(layer)
+        if view is not None:
+            for part, n in enumerate(e.part_sizes):
+                if n:
+                    await e.ledger.wait_for(("param", layer, part), op.t)
+            e.traffic.add(op.t, "cpu", "gpu", "param", e.P * store.esize)
+            await self.compute.put(ParamsOnDevice(op.t, op.g, layer, view, pooled=False))
+            return
         slot = await e.param_slots.acquire()
         try:
             pairs, tails = [], []
@@ -87,6 +108,20 @@ class HostToDevice(Actor):
             raise
         await self.compute.put(ParamsOnDevice(op.t, op.g, layer, slot))
 
+    def _cpu_view(self, layer: int) -> torch.Tensor | None:
+        """When the device is the CPU and the layer lives wholly in CPU memory, its flat
+        parameters are a view of the store: nothing to copy. Safe because the optimizer
+        rewrites them only after the backward is done with them, and the next load waits
+        for that (the ledger)."""
+        e = self.e
+        if e.device.type != "cpu":
+            return None
+        store = e.stores["param"]
+        units = [store.unit((layer, p)) for p, n in enumerate(e.part_sizes) if n]
+        if any(u.tail_n for u in units):
+            return None
+        return alias(store.cpu, units[0].head_offset, (e.P,))
+
     async def _activation(self, op: H2DOp) -> None:
         e, ld = self.e, op.load
         store = e.stores[ld.kind]
@@ -97,6 +132,11 @@ class HostToDevice(Actor):
             tmsg: TailOnHost = await self.inbox.take(("tail", ld.kind, (ld.layer, ld.micro_batch), op.g))
             tail = tmsg.buf
         nbytes = u.n * store.esize
+        if tail is None and e.device.type == "cpu":  # the CPU copy is the device copy
+            e.traffic.add(op.t, "cpu", "gpu", ld.kind, nbytes)
+            dev_view = alias(store.cpu, u.head_offset, tuple(e.ckpt_shape))
+            await self.compute.put(ActivationOnDevice(ld.kind, op.t, op.g, ld.layer, ld.micro_batch, dev_view))
+            return
 
         def load() -> torch.Tensor:
             dev = torch.empty(e.ckpt_shape, dtype=e.dtype, device=e.device)
