@@ -120,6 +120,30 @@ def scale_profile(profile: MachineProfile, ratio: float) -> MachineProfile:
     )
 
 
+def affine_profile(a: MachineProfile, b: MachineProfile, ratio: float) -> MachineProfile:
+    """The profile at `ratio` x a's micro-batch size, per-micro-batch times interpolated
+    (or extrapolated) through two measured sizes: t(mb) = t0 + slope * mb. Small micro-
+    batches use a device less well than linear scaling assumes (fixed per-call costs)."""
+    mb_a = a.shape.tokens_per_micro
+    mb_b = b.shape.tokens_per_micro
+    target = mb_a * ratio
+    lin = scale_profile(a, ratio)
+    if mb_a == mb_b:
+        return lin
+
+    def at(x: float, y: float) -> float:
+        slope = (y - x) / (mb_b - mb_a)
+        return max(x + slope * (target - mb_a), 1e-9)
+
+    return dataclasses.replace(
+        lin,
+        fwd_seconds=at(a.fwd_seconds, b.fwd_seconds),
+        bwd_seconds=at(a.bwd_seconds, b.bwd_seconds),
+        recompute_seconds=at(a.recompute_seconds, b.recompute_seconds),
+        pre_post_seconds=at(a.pre_post_seconds, b.pre_post_seconds),
+    )
+
+
 def plan_for_batch(
     model: GPTConfig | ModelShape,
     config: SnakeConfig,
@@ -142,9 +166,13 @@ def plan_for_batch(
         ns = [config.micro_batches]
     else:
         ns = [n for n in range(1, min(b, max_n) + 1) if b % n == 0]
+    second: MachineProfile | None = None
     if profile is None:
         mb0 = max(b // n for n in range(1, b + 1) if b % n == 0 and b // n <= MEASURE_MICRO_BATCH)
         profile = profile_for_config(model, config, mb0, seq_len, device)
+        mb1 = min(b // n for n in ns)
+        if mb1 != mb0:  # a second size: per-micro-batch time is affine, not linear, in its size
+            second = profile_for_config(model, config, mb1, seq_len, device)
     else:
         profile = with_budgets(profile, config)
     mb_measured = profile.shape.tokens_per_micro / seq_len
@@ -152,8 +180,9 @@ def plan_for_batch(
     short: Infeasible | None = None
     for n in ns:
         scaled = dataclasses.replace(config, micro_batches=n)
-        r = plan_for_config(model, scaled, b // n, seq_len, device,
-                            profile=scale_profile(profile, (b // n) / mb_measured))
+        ratio = (b // n) / mb_measured
+        at_n = affine_profile(profile, second, ratio) if second is not None else scale_profile(profile, ratio)
+        r = plan_for_config(model, scaled, b // n, seq_len, device, profile=at_n)
         if isinstance(r, Infeasible):
             short = short or r
         elif best is None or r.predicted_tokens_per_s > 1.01 * best.predicted_tokens_per_s:

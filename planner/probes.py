@@ -77,11 +77,30 @@ def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: 
     def bwd() -> None:
         torch.autograd.grad(graph.pop(), [xr, *params], grad_out)
 
-    return (
-        _median_seconds(fwd, device, seconds),
-        _median_seconds(recompute, device, seconds),
-        _median_seconds(bwd, device, seconds, prepare=build),
-    )
+    def measure() -> tuple[float, float, float]:
+        # interleaved rounds after a shared warm-up, the minimum of each: a load spike on a
+        # busy machine then inflates none of them, and all three see the same warm state
+        for _ in range(WARMUP):
+            fwd()
+            build()
+            bwd()
+        times: list[list[float]] = [[], [], []]
+        start = time.perf_counter()
+        while len(times[0]) < 3 or (time.perf_counter() - start < 3 * seconds and len(times[0]) < 50):
+            for i, (run, prep) in enumerate(((fwd, None), (recompute, None), (bwd, build))):
+                if prep is not None:
+                    prep()
+                synchronize(device)
+                t0 = time.perf_counter()
+                run()
+                synchronize(device)
+                times[i].append(time.perf_counter() - t0)
+        f, r, b = (min(ts) for ts in times)
+        return min(f, r), r, b  # a no-grad forward never costs more than a recompute
+
+    # on a worker thread, as the runtime's compute actor runs its kernels
+    with ThreadPoolExecutor(1, thread_name_prefix="snake-probe") as ex:
+        return ex.submit(measure).result()
 
 
 def pre_post_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float) -> float:

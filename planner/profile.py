@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from snake.models.gpt import GPTConfig
 
 MiB = 1 << 20
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: interleaved min-of-rounds block probes on a worker thread
 _MEASURED = (
     "fwd_seconds",
     "bwd_seconds",

@@ -124,3 +124,24 @@ def test_plan_for_trainer_resolves_the_config_off_the_loop(tmp_path):
     resolved = asyncio.run(main())
     assert resolved.micro_batches is not None and 8 % resolved.micro_batches == 0
     assert resolved.placement is not None and resolved.alpha is not None
+
+
+def test_affine_profile_interpolates_per_micro_batch_times():
+    import dataclasses as dc
+
+    from conftest import synthetic_profile
+
+    from planner.integrate import affine_profile
+
+    big = synthetic_profile()  # 4 x 1024 tokens per micro-batch
+    s = big.shape
+    small = dc.replace(
+        big, fwd_seconds=0.004, recompute_seconds=0.004, bwd_seconds=0.007, pre_post_seconds=0.006,
+        shape=dc.replace(s, tokens_per_micro=1024, ckpt_elems=s.ckpt_elems // 4),
+    )
+    half = affine_profile(big, small, 0.5)  # 2 x 1024 tokens
+    # fixed cost + slope: fwd 0.004 at 1024, 0.010 at 4096 -> 0.006 at 2048 (linear would say 0.005)
+    assert half.fwd_seconds == pytest.approx(0.006)
+    assert half.bwd_seconds == pytest.approx(0.007 + (0.020 - 0.007) / 3)
+    assert half.shape.tokens_per_micro == 2048
+    assert affine_profile(big, big, 0.5).fwd_seconds == pytest.approx(0.005)
