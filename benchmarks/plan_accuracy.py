@@ -69,8 +69,10 @@ def main() -> None:
         rows = []
         ns = [plan.n_micro] + ([] if args.quick else [n for n in (1, 2, 4, 8) if n != plan.n_micro])
         for n in ns:
+            # measured profiles are cached in pdir: planning at a fixed n measures (once) that
+            # micro-batch size too, as the trainer's planning path does
             p = plan if n == plan.n_micro else plan_for_batch(
-                cfg, dataclasses.replace(base, micro_batches=n), B, T, "cpu", profile=prof)
+                cfg, dataclasses.replace(base, micro_batches=n), B, T, "cpu")
             if isinstance(p, Infeasible):
                 rows.append({"n": n, "infeasible": p.message})
                 continue

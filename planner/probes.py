@@ -53,33 +53,65 @@ def _median_seconds(
 
 
 def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float):
-    """(forward, recompute, backward) seconds of one Block on one micro-batch."""
-    block = Block(cfg).to(device=device, dtype=dtype)
+    """(forward, recompute, backward) seconds of one Block on one micro-batch.
+
+    Cycles through enough distinct blocks to overflow the CPU's caches (up to 8, ~64 MiB of
+    weights), as training does: each stage brings another layer's weights. Timing one block
+    over and over keeps its weights in cache and under-reports by up to ~2x on a CPU."""
+    one = Block(cfg)
+    per_block = sum(p.numel() for p in one.parameters()) * torch.empty((), dtype=dtype).element_size()
+    n_blocks = 1 if device.type == "cuda" else max(1, min(8, -(-64 * MiB // per_block)))
+    blocks = [one.to(device=device, dtype=dtype)] + [
+        Block(cfg).to(device=device, dtype=dtype) for _ in range(n_blocks - 1)
+    ]
+    turn = [0]
+
+    def next_block() -> torch.nn.Module:
+        turn[0] = (turn[0] + 1) % len(blocks)
+        return blocks[turn[0]]
+
     x = torch.randn(mb, seq, cfg.n_embd, device=device, dtype=dtype)
     xr = x.clone().requires_grad_(True)
-    params = list(block.parameters())
     grad_out = torch.randn_like(x)
 
+    # the runtime's own kernels (functional_call over a device slot, RNG fork, fp32
+    # gradient accumulation), so the profile includes what the compute actor really pays
+    from snake.adapters import describe
+    from snake.config import SnakeConfig
+    from snake.kernels import TORCH_DTYPES, Kernels
+
+    name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+    kernels = Kernels(
+        describe(GPT(dataclasses.replace(cfg, n_layer=1))),
+        SnakeConfig(offload_dir=".", micro_batches=1, dtype=name),  # type: ignore[arg-type]
+        device, 1,
+    )
+    slots = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in blocks]
+    acc = torch.zeros(kernels.layer_params, dtype=torch.float32, device=device)
+
+    def next_slot() -> torch.Tensor:
+        turn[0] = (turn[0] + 1) % len(slots)
+        return slots[turn[0]]
+
     def fwd() -> None:
-        with torch.no_grad():
-            block(x)
+        kernels.block_fwd(next_slot(), x, 0, 0, 0)
 
     def recompute() -> None:
         with torch.enable_grad():
-            block(xr)
+            next_block()(xr)
 
-    graph: list[torch.Tensor] = []
+    def bwd_total() -> None:
+        kernels.block_bwd(next_slot(), x, grad_out, acc, t=0, layer=0, m=0, accumulate=True)
 
     def build() -> None:
-        with torch.enable_grad():
-            graph[:] = [block(xr)]
+        pass
 
     def bwd() -> None:
-        torch.autograd.grad(graph.pop(), [xr, *params], grad_out)
+        bwd_total()
 
     def measure() -> tuple[float, float, float]:
-        # interleaved rounds after a shared warm-up, the minimum of each: a load spike on a
-        # busy machine then inflates none of them, and all three see the same warm state
+        # interleaved rounds after a shared warm-up, the median of each: a load spike then
+        # inflates none of them more than the others, and all three see the same warm state
         for _ in range(WARMUP):
             fwd()
             build()
@@ -95,8 +127,9 @@ def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: 
                 run()
                 synchronize(device)
                 times[i].append(time.perf_counter() - t0)
-        f, r, b = (min(ts) for ts in times)
-        return min(f, r), r, b  # a no-grad forward never costs more than a recompute
+        f, r, total = (statistics.median(ts) for ts in times)
+        r = min(r, total)
+        return min(f, r), r, total - r  # backward = recompute + backward, less the recompute
 
     # on a worker thread, as the runtime's compute actor runs its kernels
     with ThreadPoolExecutor(1, thread_name_prefix="snake-probe") as ex:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from snake.models.gpt import GPTConfig
 
 MiB = 1 << 20
-CACHE_VERSION = 2  # 2: interleaved min-of-rounds block probes on a worker thread
+CACHE_VERSION = 4  # 4: block probes time the runtime kernels over distinct blocks
 _MEASURED = (
     "fwd_seconds",
     "bwd_seconds",
