@@ -73,6 +73,10 @@ def split_batch(
     for name, x in (("inputs", inputs), ("targets", targets)):
         if not isinstance(x, torch.Tensor):
             raise DataError(f"data: batch {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type not in ("cpu", device.type):
+            raise DataError(
+                f"data: batch {name} are on {x.device}; give CPU tensors (or tensors on the training device {device})"
+            )
         if x.dim() < 1:
             raise DataError(f"data: batch {name} must have a batch dimension, got a scalar")
         if x.is_floating_point() and not torch.isfinite(x).all():

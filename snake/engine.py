@@ -5,6 +5,7 @@ before any actor starts; sized so that memory does not grow step over step."""
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,13 @@ from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
 from snake.config import Placement, SnakeConfig
 from snake.device import pin_host_memory
+from snake.errors import ConfigError
 from snake.io.base import TokenBucket
 from snake.kernels import Kernels
 from snake.memory import PoolSizes
 from snake.plans import DELAYED, NOW, Plans
 from snake.schedule import build_schedule, stored_outputs
-from snake.stores import TierStore, scatter
+from snake.stores import TierStore, scatter, tail_file_bytes
 from snake.trace import Tracer, Traffic
 
 
@@ -69,13 +71,14 @@ class Engine:
         use_gds = device.type == "cuda"
         store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)
         parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.part_sizes) if n]
+        ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
+        self._preflight(offload_dir, parts_units, ckpt_units)
         self.stores: dict[str, TierStore] = {}
         try:
             self.stores["param"] = TierStore("param", self.dtype, parts_units, cpu_share=self.placement.param, **store_kw)
             self.stores["opt"] = TierStore(
                 "opt", torch.float32, parts_units, cpu_share=self.placement.opt, comps=3, **store_kw
             )
-            ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
             self.stores["ckpt"] = TierStore("ckpt", self.dtype, ckpt_units, cpu_share=self.placement.ckpt, **store_kw)
             ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad"})
             self.stores["act_grad"] = TierStore(
@@ -93,6 +96,24 @@ class Engine:
             "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer"),
             "data": data_executor,
         }
+
+    def _preflight(self, offload_dir: Path, parts_units: list, ckpt_units: list) -> None:
+        """Before any file is made: does the SSD tier fit on the offload_dir's disk?"""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        need = (
+            tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)
+            + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
+            + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize)
+        )
+        existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
+        free = shutil.disk_usage(offload_dir).free + existing
+        if need > free:
+            raise ConfigError(
+                "offload_dir", str(offload_dir),
+                f"has {free / 2**30:.2f} GiB free but the SSD tier needs {need / 2**30:.2f} GiB",
+                "free space there, point offload_dir at a bigger disk, or raise the placement "
+                "shares to keep more in CPU memory",
+            )
 
     @staticmethod
     def unit_key(kind: str, layer: int, micro_batch: int) -> tuple[int, int]:

@@ -15,6 +15,14 @@ def check_offload_dir(path: str | Path) -> Path:
     """Make sure `path` can serve as offload_dir: create it (mode 0700) if missing and
     probe that a file can be written there. Raises ConfigError naming the problem."""
     p = Path(path).expanduser()
+    if p.is_symlink():
+        target = os.readlink(p)
+        if not p.exists():
+            raise ConfigError(
+                "offload_dir", str(path), f"is a symlink to {target}, which does not exist",
+                "create the target directory or point offload_dir at a real directory",
+            )
+        p = p.resolve()  # a symlink to a directory elsewhere: the files go there
     if p.exists() and not p.is_dir():
         raise ConfigError("offload_dir", str(path), "is a file, not a directory", "pass a directory path")
     if not p.exists():

@@ -41,6 +41,16 @@ class Unit:
         return self.comps * (self.n - self.k)
 
 
+def tail_file_bytes(sizes: Iterable[tuple[Hashable, int]], *, cpu_share: float, comps: int, esize: int) -> int:
+    """Bytes the SSD file of a store with these units needs (what TierStore allocates)."""
+    total = 0
+    for _key, n in sizes:
+        k = n if cpu_share >= 1.0 else int(round(cpu_share * n))
+        if n - k:
+            total += align_up(comps * (n - k) * esize)
+    return total
+
+
 class TierStore:
     """Units of one kind. `cpu` holds all heads; `file` holds all tails (if any)."""
 

@@ -109,3 +109,57 @@ async def test_steps_must_be_positive(tmp_path):
     async with SnakeTrainer(tiny_gpt(), data=batches(1, 2), config=SnakeConfig(offload_dir=tmp_path)) as t:
         with pytest.raises(ConfigError, match="steps"):
             await t.run(0)
+
+
+@pytest.mark.asyncio
+async def test_not_enough_disk_fails_before_files(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import snake.engine
+
+    usage = namedtuple("usage", "total used free")
+    # fake inside this test only: a disk with 1 MiB free
+    monkeypatch.setattr(snake.engine.shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**20, 2**20))
+    assert shutil.disk_usage is snake.engine.shutil.disk_usage
+    off = tmp_path / "off"
+    cfg = SnakeConfig(micro_batches=2, offload_dir=off, placement=Placement.all_ssd(), device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_embd=128), data=batches(1, 4), config=cfg) as trainer:
+        with pytest.raises(ConfigError, match=r"offload_dir.*GiB free but the SSD tier needs"):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not list(off.glob("*.bin"))
+
+
+def test_offload_dir_dangling_symlink(tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="symlink to .*nowhere, which does not exist"):
+        SnakeTrainer(tiny_gpt(), data=batches(1, 2), config=SnakeConfig(offload_dir=link))
+
+
+@pytest.mark.asyncio
+async def test_offload_dir_symlink_to_elsewhere_is_followed(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=link, placement=Placement.all_ssd(), device="cpu")
+    async with SnakeTrainer(tiny_gpt(), data=batches(1, 4), config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(1), 30)
+        assert {f.name for f in real.glob("*.bin")} == {"param.bin", "opt.bin", "ckpt.bin"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "inputs,match",
+    [
+        (torch.full((4, 16), float("nan")), "NaN"),
+        (torch.zeros(4, 16, dtype=torch.long, device="meta"), "on meta"),
+    ],
+)
+async def test_nan_or_wrong_device_inputs(tmp_path, inputs, match):
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu")
+    data = [(inputs, torch.zeros(4, 16, dtype=torch.long))]
+    async with SnakeTrainer(tiny_gpt(), data=data, config=cfg) as trainer:
+        with pytest.raises(DataError, match=match):
+            await asyncio.wait_for(trainer.run(1), 30)

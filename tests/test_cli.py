@@ -1,0 +1,38 @@
+"""The `snake` command: train writes trace.json (a track per actor), report.json and
+timeline.png; trace summarize / plot read them back."""
+
+import json
+
+from snake.cli import main
+
+SMALL = ["--layers", "2", "--embd", "64", "--heads", "2", "--seq", "32", "--batch", "4", "--micro-batches", "2"]
+
+
+def test_train_three_steps_then_trace_tools(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["train", "--steps", "3", "--out", str(out), "--offload-dir", str(tmp_path / "off"), *SMALL]) == 0
+    trace = json.loads((out / "trace.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"compute", "h2d", "d2h", "ssd_read", "ssd_write", "optimizer[0]", "data"} <= tracks
+    report = json.loads((out / "report.json").read_text())
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+    assert all(s["loss"] > 0 for s in report["steps"])
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["trace", "summarize", str(out / "trace.json")]) == 0
+    text = capsys.readouterr().out
+    assert "compute" in text and "ssd->cpu" in text
+    assert main(["trace", "plot", str(out / "trace.json"), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_train_longer_lowers_the_loss(tmp_path):
+    out = tmp_path / "out"
+    assert main(["train", "--steps", "25", "--out", str(out), "--offload-dir", str(tmp_path / "off"), *SMALL]) == 0
+    losses = [s["loss"] for s in json.loads((out / "report.json").read_text())["steps"]]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+
+
+def test_bad_trace_file(tmp_path, capsys):
+    assert main(["trace", "summarize", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
