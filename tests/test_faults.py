@@ -118,14 +118,6 @@ async def test_exception_in_compute(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_exception_in_optimizer(tmp_path):
-    async with SnakeTrainer(tiny_gpt(bias=False), data=batches(5, 4), config=_config(tmp_path)) as trainer:
-        await trainer.run(1)
-        trainer.engine.config = None  # the optimizer reads its hyper-parameters from here
-        await _fails_cleanly(trainer, "optimizer[0]", AttributeError)
-
-
-@pytest.mark.asyncio
 async def test_cancellation_stops_within_5s_and_closes(tmp_path):
     async with SnakeTrainer(tiny_gpt(bias=False), data=batches(50, 4), config=_config(tmp_path)) as trainer:
         threads = threading.active_count()
