@@ -4,7 +4,6 @@ before any actor starts; sized so that memory does not grow step over step."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +20,7 @@ from snake.errors import ConfigError
 from snake.io.base import TokenBucket
 from snake.kernels import Kernels
 from snake.memory import PoolSizes
-from snake.plans import DELAYED, NOW, Plans
+from snake.plans import DELAYED, Plans
 from snake.schedule import build_schedule, stored_outputs
 from snake.stores import TierStore, scatter, tail_file_bytes
 from snake.trace import Tracer, Traffic
@@ -215,9 +214,6 @@ class Engine:
             out.append(torch.cat(pieces))
         return out
 
-    def unit_parts(self) -> tuple[int, int]:
-        return NOW, DELAYED
-
     # -- end of run -------------------------------------------------------------------
     def check_pools(self) -> None:
         for p in self._all_pools:
@@ -241,6 +237,3 @@ class Engine:
     def cpu_store_bytes(self) -> int:
         return sum(s.cpu_bytes() for s in self.stores.values())
 
-
-def threads_in_use() -> int:
-    return len(os.listdir("/proc/self/task"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -228,6 +227,3 @@ class SnakeTrainer:
             self._lock.release()
             self._lock = None
 
-
-def replace_config(config: SnakeConfig, **changes: Any) -> SnakeConfig:
-    return dataclasses.replace(config, **changes)
