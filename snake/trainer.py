@@ -104,6 +104,8 @@ class SnakeTrainer:
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights with the keys and shapes of `model.state_dict()`."""
         self._check_usable()
+        if self._running:
+            raise SnakeError("state_dict: a run() of this trainer is in progress; await it first")
         model = self.parts.model
         if self.engine is None:
             return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in model.state_dict().items()}
@@ -177,6 +179,17 @@ class SnakeTrainer:
         return int(v) if isinstance(v, int) else None
 
     async def _setup(self) -> None:
+        """Build the engine from the first batch. On failure before the engine exists
+        (bad input, no plan, no disk space) nothing stays behind: no thread, no lock, and
+        the trainer can be given another try."""
+        try:
+            await self._build()
+        except BaseException:
+            if self.engine is None:
+                await self._shutdown()
+            raise
+
+    async def _build(self) -> None:
         cfg = self.config
         self._data_ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data")
         first = await self.source.peek(self._data_ex)

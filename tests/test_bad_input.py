@@ -163,3 +163,31 @@ async def test_nan_or_wrong_device_inputs(tmp_path, inputs, match):
     async with SnakeTrainer(tiny_gpt(), data=data, config=cfg) as trainer:
         with pytest.raises(DataError, match=match):
             await asyncio.wait_for(trainer.run(1), 30)
+
+
+@pytest.mark.asyncio
+async def test_failed_setup_leaves_nothing_behind(tmp_path):
+    import threading
+
+    bad = [(torch.zeros(3, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long))]
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu")
+    async with SnakeTrainer(tiny_gpt(), data=bad, config=cfg) as trainer:
+        with pytest.raises(DataError):
+            await asyncio.wait_for(trainer.run(1), 30)
+        assert not [t for t in threading.enumerate() if t.name.startswith("snake-")]
+        # the offload_dir is not left locked: a corrected trainer can use it at once
+        async with SnakeTrainer(tiny_gpt(), data=batches(1, 4), config=cfg) as fixed:
+            await asyncio.wait_for(fixed.run(1), 30)
+
+
+@pytest.mark.asyncio
+async def test_state_dict_during_run_is_refused(tmp_path):
+    from snake import SnakeError
+
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu")
+    async with SnakeTrainer(tiny_gpt(), data=batches(20, 4), config=cfg) as trainer:
+        task = asyncio.ensure_future(trainer.run(20))
+        await asyncio.sleep(0.5)
+        with pytest.raises(SnakeError, match="in progress"):
+            await trainer.state_dict()
+        await asyncio.wait_for(task, 120)
