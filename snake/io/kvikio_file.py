@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from snake.errors import StorageError
 
 
@@ -37,12 +39,13 @@ class KvikioFile:
         self._f = kvikio.CuFile(self.path, "r+")
 
     def pread(self, buf: memoryview, offset: int) -> None:
-        n = self._f.pread(buf, len(buf), offset).get()
+        # kvikio takes host arrays through the array interface: hand it numpy views
+        n = self._f.pread(np.frombuffer(buf, dtype=np.uint8), len(buf), offset).get()
         if n != len(buf):
             raise StorageError(5, f"short read from {self.path} at {offset}: {n} of {len(buf)}")
 
     def pwrite(self, buf: memoryview, offset: int) -> None:
-        n = self._f.pwrite(buf, len(buf), offset).get()
+        n = self._f.pwrite(np.frombuffer(buf, dtype=np.uint8), len(buf), offset).get()
         if n != len(buf):
             raise StorageError(5, f"short write to {self.path} at {offset}: {n} of {len(buf)}")
 
