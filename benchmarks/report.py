@@ -26,33 +26,44 @@ def throughput() -> None:
         return
     print("### throughput\n")
     runs, roof = d["runs"], d["rooflines"]
-    for label in ("capped", "uncapped"):
-        print(f"\n{label}: tokens/s, median of timed steps [min-max]\n")
-        print("| M | vertical | horizontal | v/h | PyTorch | PyTorch+ckpt | compute roof (profile) | compute roof (torch+ckpt fwd/bwd) | I/O roof | vertical / min(compute torch+ckpt, I/O) | vertical / own SSD traffic at cap |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for i, rv in enumerate(runs[f"vertical_{label}"]):
-            rh = runs[f"horizontal_{label}"][i]
-            rt, rc = runs["torch"][i], runs["torch+ckpt"][i]
-            rr = roof[label][i]
-            vr = d["summary"][label]["vertical_vs_roofline"][i]
+    if "cpu_memory_budget_bytes" in d:
+        print(f"CPU memory budget (both schedules): {d['cpu_memory_budget_bytes'] / 2**20:.0f} MiB")
 
-            def cell(r):
-                it = r["iteration_seconds"]
-                tok = r["tokens_per_iteration"]
-                return f"{r['tokens_per_s']:.0f} [{tok / it['max']:.0f}-{tok / it['min']:.0f}]"
+    def cell(r):
+        it = r["iteration_seconds"]
+        tok = r["tokens_per_iteration"]
+        return f"{r['tokens_per_s']:.0f} [{tok / it['max']:.0f}-{tok / it['min']:.0f}]"
 
-            print(f"| {rv['micro_batches']} | {cell(rv)} | {cell(rh)} | {rv['tokens_per_s'] / rh['tokens_per_s']:.2f} | "
-                  f"{cell(rt)} | {cell(rc)} | {rr['compute_roofline_profile']:.0f} | {rr['compute_roofline_torch_ckpt']:.0f} | "
-                  f"{rr['io_roofline']:.0f} | {rv['tokens_per_s'] / rr['roofline']:.2f} | {fmt(rv['tokens_per_s'] / vr['ssd_traffic_roofline'] if vr['ssd_traffic_roofline'] else None, 2)} |")
-        print(f"\n{label}: model TFLOP/s and bytes per iteration (MB)\n")
-        print("| M | vertical TFLOP/s | horizontal TFLOP/s | vertical SSD MB | horizontal SSD MB | vertical cpu->gpu MB | horizontal cpu->gpu MB | vertical gpu->cpu MB | horizontal gpu->cpu MB |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for i, rv in enumerate(runs[f"vertical_{label}"]):
-            rh = runs[f"horizontal_{label}"][i]
-            lv, lh = rv["traffic"]["links"], rh["traffic"]["links"]
-            print(f"| {rv['micro_batches']} | {rv['tflops']:.4f} | {rh['tflops']:.4f} | {rv['traffic']['ssd_bytes'] / 1e6:.0f} | "
-                  f"{rh['traffic']['ssd_bytes'] / 1e6:.0f} | {lv.get('cpu->gpu', 0) / 1e6:.0f} | {lh.get('cpu->gpu', 0) / 1e6:.0f} | "
-                  f"{lv.get('gpu->cpu', 0) / 1e6:.0f} | {lh.get('gpu->cpu', 0) / 1e6:.0f} |")
+    def pl(r):
+        p = r.get("plan", {}).get("placement") or r["placement"]
+        return f"{p['param']:.2f}/{p['ckpt']:.2f}/{p['opt']:.2f}"
+
+    for prefix in ("", "fixed_"):
+        for label in ("capped", "uncapped"):
+            if f"{prefix}vertical_{label}" not in runs:
+                continue
+            summ = d["summary"][prefix + label]
+            print(f"\n{prefix or 'planned '}{label}: tokens/s, median of timed steps [min-max]\n")
+            print("| M | vertical | horizontal | v/h | v plan p/c/o, alpha | h plan p/c/o | PyTorch | PyTorch+ckpt | compute roof (profile) | compute roof (torch+ckpt fwd/bwd) | I/O roof | vertical / min(compute torch+ckpt, I/O) | vertical / own SSD traffic at cap |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for i, rv in enumerate(runs[f"{prefix}vertical_{label}"]):
+                rh = runs[f"{prefix}horizontal_{label}"][i]
+                rt, rc = runs["torch"][i], runs["torch+ckpt"][i]
+                rr = (d.get("rooflines_fixed", roof) if prefix else roof)[label][i]
+                vr = summ["vertical_vs_roofline"][i]
+                print(f"| {rv['micro_batches']} | {cell(rv)} | {cell(rh)} | {rv['tokens_per_s'] / rh['tokens_per_s']:.2f} | "
+                      f"{pl(rv)}, {rv['alpha']:.2f} | {pl(rh)} | "
+                      f"{cell(rt)} | {cell(rc)} | {rr['compute_roofline_profile']:.0f} | {rr['compute_roofline_torch_ckpt']:.0f} | "
+                      f"{rr['io_roofline']:.0f} | {rv['tokens_per_s'] / rr['roofline']:.2f} | {fmt(rv['tokens_per_s'] / vr['ssd_traffic_roofline'] if vr['ssd_traffic_roofline'] else None, 2)} |")
+            print(f"\n{prefix}{label}: model TFLOP/s and bytes per iteration (MB)\n")
+            print("| M | vertical TFLOP/s | horizontal TFLOP/s | vertical SSD MB | horizontal SSD MB | vertical cpu->gpu MB | horizontal cpu->gpu MB | vertical gpu->cpu MB | horizontal gpu->cpu MB |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for i, rv in enumerate(runs[f"{prefix}vertical_{label}"]):
+                rh = runs[f"{prefix}horizontal_{label}"][i]
+                lv, lh = rv["traffic"]["links"], rh["traffic"]["links"]
+                print(f"| {rv['micro_batches']} | {rv['tflops']:.4f} | {rh['tflops']:.4f} | {rv['traffic']['ssd_bytes'] / 1e6:.0f} | "
+                      f"{rh['traffic']['ssd_bytes'] / 1e6:.0f} | {lv.get('cpu->gpu', 0) / 1e6:.0f} | {lh.get('cpu->gpu', 0) / 1e6:.0f} | "
+                      f"{lv.get('gpu->cpu', 0) / 1e6:.0f} | {lh.get('gpu->cpu', 0) / 1e6:.0f} |")
     print("\nsummary:", json.dumps({k: v for k, v in d["summary"].items()}, indent=1))
 
 

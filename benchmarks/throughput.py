@@ -1,16 +1,25 @@
 """Throughput vs micro-batches (GreedySnake Figure 10 at CPU scale), side by side:
-snake vertical, snake horizontal (same placement, same SSD cap), plain in-memory PyTorch
-with gradient accumulation with and without per-block activation checkpointing, and the
-roofline (min of the compute roofline and the I/O roofline: optimizer states read and
-written once per iteration over the measured SSD bandwidth).
+snake vertical and snake horizontal, each with the placement the planner chooses for it
+under the SAME CPU memory budget (`SnakeConfig.cpu_memory_bytes`) and the same SSD cap,
+plain in-memory PyTorch with gradient accumulation with and without per-block activation
+checkpointing, and the roofline min(compute, I/O).
 
-    python benchmarks/throughput.py            # ~6 min on 2 cores; --quick for a smoke run
+    python benchmarks/throughput.py            # ~5 min on 2 cores; --quick for a smoke run
+    python benchmarks/throughput.py --fixed    # + the old fixed-placement comparison (~+3.5 min)
+    python benchmarks/throughput.py --fixed-only  # only that pair, added to the saved JSON
 
-Model: GPT, 4 layers, width 512, seq 32, micro-batch 1 sequence: a block's parameters
+Model: GPT, 8 layers, width 512, seq 32, micro-batch 1 sequence: a block's parameters
 (12.6 MB fp32) are ~200x its checkpoint (64 KiB), so parameter traffic dominates as in the
-paper. Placement (both schedules): params half on SSD, checkpoints in CPU memory,
-optimizer states all on SSD. Vertical delays alpha=0.25 of the step; horizontal 0
-(ZeRO-Infinity). Writes benchmarks/results/throughput.json and throughput.png.
+paper. 8 layers, not 4: the runtime stages SSD-resident parameters through 5 layer-sized
+buffers (3 load tails + 2 optimizer write-back), so with 4 layers moving parameters to SSD
+never saves host memory and no budget can reproduce the paper's trade-off.
+
+CPU memory budget (BUDGET_MIB, both schedules): room for vertical's params + checkpoints +
+~30 % of the optimizer states; horizontal's per-layer fp32 gradient accumulators (8 x 12.6 MB)
+take that room, so its planner puts all optimizer states and ~30 % of the parameters on SSD,
+and horizontal re-reads those parameters every micro-batch. Each schedule's plan comes from
+`planner.search(profile with the budget, schedule=..., n_micro=M)` on a profile measured with
+the same SSD cap. Writes benchmarks/results/throughput.json and throughput.png.
 """
 
 from __future__ import annotations
@@ -30,13 +39,18 @@ from common import (  # type: ignore[import-not-found]
     torch_run,
 )
 
-from planner import measure_profile
-from snake import Placement
-from snake.memory import OPT_BYTES_PER_ELEM
+from planner import Infeasible, measure_profile, search
+from planner.integrate import with_budgets
+from planner.solve import host_budget
+from snake import Placement, SnakeConfig
+from snake.memory import OPT_BYTES_PER_ELEM, host_memory
 
+N_LAYER = 8
+BUDGET_MIB = 345  # CPU memory budget of both schedules (planner and runtime)
+CAP = 300e6
+# the old comparison (--fixed): one placement for both schedules, no budget
 PLACEMENT = Placement(param=0.5, ckpt=1.0, opt=0.0)
 ALPHA_V = 0.25
-CAP = 300e6
 
 
 def first_at(points: list[tuple[int, float]], frac: float) -> int | None:
@@ -45,65 +59,110 @@ def first_at(points: list[tuple[int, float]], frac: float) -> int | None:
     return min(m for m, t in points if t >= frac * best)
 
 
-def analyze(result: dict) -> None:
-    """Rooflines and the issue's ratios, from the runs (so they can be recomputed).
+def plan_json(plan) -> dict:
+    return {"alpha": plan.alpha,
+            "placement": {k: round(getattr(plan.placement, k), 4) for k in ("param", "ckpt", "opt")},
+            "predicted_iteration_seconds": plan.predicted_iteration_seconds,
+            "predicted_tokens_per_s": plan.predicted_tokens_per_s, "binding": list(plan.binding),
+            "host_memory_bytes": plan.host_memory_bytes,
+            "ssd_bytes_per_iteration": plan.ssd_bytes_per_iteration}
 
-    I/O roofline: optimizer states read + written once per iteration; capped: at the token
-    bucket's rate (reads and writes share it); uncapped: at the profile's measured read and
-    write bandwidth. Compute roofline: the forward + backward time of PyTorch with per-block
-    checkpointing at the same M, measured in the same run (no optimizer step; snake overlaps
-    it), and, for reference, the planner profile's (fwd + recompute + bwd) per block."""
-    runs, ms, opt_bytes = result["runs"], result["Ms"], result["optimizer_state_bytes"]
+
+def min_opt_ssd_bytes(profile, budget: float, m: int, opt_bytes: float) -> float:
+    """SSD bytes per iteration that no vertical placement under the budget avoids: the
+    optimizer states that do not fit with params and checkpoints in CPU memory at alpha 0
+    (checkpoints on SSD where that frees room), read and written once."""
+    mem = host_memory(profile.shape, n_micro=m, alpha=0.0, schedule="vertical", workers=2)
+    room, _ = host_budget(with_budgets(profile, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)), m)
+    ck = 1.0 if mem.per_share["ckpt"] < 0 else 0.0
+    o = (room - mem.at(1.0, ck, 0.0)) / mem.per_share["opt"]
+    return 2 * opt_bytes * (1 - min(1.0, max(0.0, o)))
+
+
+def rooflines(result: dict, io_bytes_at) -> dict[str, list[dict]]:
+    """Per pass, per M: compute roofline (PyTorch+ckpt fwd+bwd; profile for reference) and the
+    I/O roofline of io_bytes_at(label, i) SSD bytes per iteration."""
+    runs, ms = result["runs"], result["Ms"]
     roof: dict[str, list[dict]] = {}
     for label, p in result["profiles"].items():
-        if label == "capped":
-            io_s = 2 * opt_bytes / result["cap_bytes_per_s"]
-        else:
-            io_s = opt_bytes / p["ssd_read_bytes_per_s"] + opt_bytes / p["ssd_write_bytes_per_s"]
         sh = p["shape"]
         per_micro = sh["n_layers"] * (p["fwd_seconds"] + p["recompute_seconds"] + p["bwd_seconds"]) + p["pre_post_seconds"]
         rows = []
         for i, m in enumerate(ms):
+            io_bytes = io_bytes_at(label, i)
+            if label == "capped":
+                io_s = io_bytes / result["cap_bytes_per_s"]
+            else:
+                # reads and writes of the disk overlap when uncapped: the slower direction
+                io_s = max(io_bytes / 2 / p["ssd_read_bytes_per_s"], io_bytes / 2 / p["ssd_write_bytes_per_s"])
             tok = runs["torch+ckpt"][i]["tokens_per_iteration"]
             emp = tok / runs["torch+ckpt"][i]["fwd_bwd_seconds"]["median"]
-            io = tok / io_s
+            io = tok / io_s if io_s > 0 else float("inf")
             rows.append({"M": m, "compute_roofline_torch_ckpt": emp,
                          "compute_roofline_profile": sh["tokens_per_micro"] / per_micro,
-                         "io_roofline": io, "roofline": min(emp, io)})
+                         "io_roofline": io, "io_bytes": io_bytes, "roofline": min(emp, io)})
         roof[label] = rows
+    return roof
+
+
+def analyze(result: dict) -> None:
+    """Rooflines and the issue's ratios, from the runs (so they can be recomputed).
+
+    I/O roofline: the SSD bytes vertical cannot avoid under the budget (optimizer states
+    that do not fit next to params, read + written once per iteration; `min_io_bytes`)
+    over the cap (capped: reads and writes share the token bucket) or over the profile's
+    measured read and write bandwidth, the slower direction (uncapped: the disk overlaps
+    reads and writes, so this is an upper bound). Compute roofline: the forward + backward time
+    of PyTorch with per-block checkpointing at the same M, measured in the same run (no
+    optimizer step; snake overlaps it), and, for reference, the planner profile's
+    (fwd + recompute + bwd) per block."""
+    runs = result["runs"]
+    roof = rooflines(result, lambda label, i: result["min_io_bytes"][label][i])
+    # the fixed placement has no budget and all optimizer states on SSD
+    roof_fixed = rooflines(result, lambda label, i: 2 * result["optimizer_state_bytes"])
     summary: dict[str, dict] = {}
-    for label in ("capped", "uncapped"):
-        v = [(r["micro_batches"], r["tokens_per_s"]) for r in runs[f"vertical_{label}"]]
-        h = [(r["micro_batches"], r["tokens_per_s"]) for r in runs[f"horizontal_{label}"]]
-        vsat, hsat = max(t for _, t in v), max(t for _, t in h)
-        vs_roof = [{"M": m, "vertical": t, "roofline": rr["roofline"], "ratio": t / rr["roofline"],
-                    "ssd_traffic_roofline": (rv["tokens_per_iteration"] / (rv["traffic"]["ssd_bytes"] / result["cap_bytes_per_s"])
-                                             if label == "capped" else None)}
-                   for (m, t), rr, rv in zip(v, roof[label], runs[f"vertical_{label}"], strict=True)]
-        spread = []
-        for rv, rh in zip(runs[f"vertical_{label}"], runs[f"horizontal_{label}"], strict=True):
-            iv, ih = rv["iteration_seconds"], rh["iteration_seconds"]
-            spread.append({"M": rv["micro_batches"], "v_over_h": ih["median"] / iv["median"],
-                           "v_over_h_low": ih["min"] / iv["max"], "v_over_h_high": ih["max"] / iv["min"]})
-        summary[label] = {
-            "saturated_vertical_tokens_per_s": vsat, "saturated_horizontal_tokens_per_s": hsat,
-            "saturated_vertical_over_horizontal": vsat / hsat,
-            "M_to_90pct_vertical": first_at(v, 0.9), "M_to_90pct_horizontal": first_at(h, 0.9),
-            "vertical_vs_roofline": vs_roof, "vertical_over_horizontal_per_M": spread,
-        }
+    for prefix in ("", "fixed_"):
+        for label in ("capped", "uncapped"):
+            if f"{prefix}vertical_{label}" not in runs:
+                continue
+            roof_l = (roof_fixed if prefix else roof)[label]
+            rvs, rhs = runs[f"{prefix}vertical_{label}"], runs[f"{prefix}horizontal_{label}"]
+            v = [(r["micro_batches"], r["tokens_per_s"]) for r in rvs]
+            h = [(r["micro_batches"], r["tokens_per_s"]) for r in rhs]
+            vsat, hsat = max(t for _, t in v), max(t for _, t in h)
+            vs_roof = [{"M": m, "vertical": t, "roofline": rr["roofline"], "ratio": t / rr["roofline"],
+                        "ssd_traffic_roofline": (rv["tokens_per_iteration"] / (rv["traffic"]["ssd_bytes"] / result["cap_bytes_per_s"])
+                                                 if label == "capped" and rv["traffic"]["ssd_bytes"] else None)}
+                       for (m, t), rr, rv in zip(v, roof_l, rvs, strict=True)]
+            spread = []
+            for rv, rh in zip(rvs, rhs, strict=True):
+                iv, ih = rv["iteration_seconds"], rh["iteration_seconds"]
+                spread.append({"M": rv["micro_batches"], "v_over_h": ih["median"] / iv["median"],
+                               "v_over_h_low": ih["min"] / iv["max"], "v_over_h_high": ih["max"] / iv["min"]})
+            summary[prefix + label] = {
+                "saturated_vertical_tokens_per_s": vsat, "saturated_horizontal_tokens_per_s": hsat,
+                "saturated_vertical_over_horizontal": vsat / hsat,
+                "M_to_90pct_vertical": first_at(v, 0.9), "M_to_90pct_horizontal": first_at(h, 0.9),
+                "vertical_vs_roofline": vs_roof, "vertical_over_horizontal_per_M": spread,
+            }
     summary["vertical_uncapped_over_torch_ckpt"] = [
         {"M": rv["micro_batches"], "vertical_uncapped": rv["tokens_per_s"], "torch_ckpt": rt["tokens_per_s"],
          "ratio": rv["tokens_per_s"] / rt["tokens_per_s"],
          "snake_compute_busy_s": rv["busy_s_per_iteration"].get("compute"),
          "torch_ckpt_fwd_bwd_s": rt["fwd_bwd_seconds"]["median"]}
         for rv, rt in zip(runs["vertical_uncapped"], runs["torch+ckpt"], strict=True)]
-    result["rooflines"], result["summary"] = roof, summary
+    result["rooflines"], result["rooflines_fixed"], result["summary"] = roof, roof_fixed, summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M in 1,2 and 2 steps: smoke test")
     ap.add_argument("--steps", type=int, default=4, help="iterations per run (first discarded)")
+    ap.add_argument("--fixed", action="store_true",
+                    help="also run the old comparison: one fixed placement for both, no budget")
+    ap.add_argument("--fixed-only", action="store_true",
+                    help="run only the fixed-placement pair and add it to the saved JSON")
+    ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
     ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON")
     args = ap.parse_args()
     if args.reanalyze:
@@ -112,30 +171,77 @@ def main() -> None:
         analyze(result)
         finish("throughput", result)
         return
-    L, C, T, MB = 4, 512, 32, 1
+    if args.fixed_only:
+        import json
+        result = json.loads((RESULTS / "throughput.json").read_text())
+        cfg = gpt_config(result["model"]["n_layer"], result["model"]["n_embd"], result["model"]["seq"])
+        t0 = time.perf_counter()
+        for m in result["Ms"]:
+            common = dict(micro_batches=m, micro_batch_size=result["model"]["micro_batch_size"],
+                          seq=result["model"]["seq"], steps=args.steps)
+            for label, cap in (("capped", CAP), ("uncapped", None)):
+                run_fixed(cfg, result["runs"], m, label, cap, common)
+        result["seconds_fixed_only"] = time.perf_counter() - t0
+        analyze(result)
+        print_summary(result)
+        finish("throughput", result)
+        return
+    L, C, T, MB = N_LAYER, 512, 32, 1
     ms = [1, 2] if args.quick else [1, 2, 4, 8, 16]
     steps = 2 if args.quick else args.steps
     cfg = gpt_config(L, C, T)
+    budget = int(args.budget_mib * 2**20)
     t_start = time.perf_counter()
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
+    caps = {"capped": CAP, "uncapped": None}
     profiles = {}
-    for label, cap in (("capped", CAP), ("uncapped", None)):
+    for label, cap in caps.items():
         profiles[label] = measure_profile(
             cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
             ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=(64 if args.quick else 192) << 20,
         )
     opt_bytes = L * cfg.block_params() * OPT_BYTES_PER_ELEM
 
+    # the budget in the runtime's own memory model (snake.memory.host_memory)
+    shape = profiles["uncapped"].shape
+    _, dev = host_budget(profiles["uncapped"], 1)
+    budget_model = {}
+    for sched in ("vertical", "horizontal"):
+        mem = host_memory(shape, n_micro=1, alpha=0.0, schedule=sched, workers=2)
+        budget_model[sched] = {"fixed_bytes": mem.fixed_bytes, "per_share": mem.per_share,
+                               "device_working_set_bytes": dev,
+                               "params_ckpts_in_cpu_opt_on_ssd_bytes": mem.at(1, 1, 0) + dev,
+                               "everything_in_cpu_bytes": mem.at(1, 1, 1) + dev}
+        print(f"{sched:10s} host bytes at M=1, alpha 0: params+ckpts in CPU, opt on SSD "
+              f"{(mem.at(1, 1, 0) + dev) / 2**20:.0f} MiB; everything in CPU {(mem.at(1, 1, 1) + dev) / 2**20:.0f} MiB")
+    print(f"CPU memory budget (both schedules): {budget / 2**20:.0f} MiB; SSD cap {CAP / 1e6:.0f} MB/s", flush=True)
+
+    plans: dict[str, dict[str, list[dict]]] = {lab: {"vertical": [], "horizontal": []} for lab in caps}
+    min_io: dict[str, list[float]] = {lab: [] for lab in caps}
     runs: dict[str, list[dict]] = {}
     for m in ms:
         common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps)
-        for label, cap in (("capped", CAP), ("uncapped", None)):
-            for sched, alpha in (("vertical", ALPHA_V), ("horizontal", 0.0)):
-                r = snake_run(cfg, placement=PLACEMENT, alpha=alpha, schedule=sched, cap=cap, **common)
+        for label, cap in caps.items():
+            prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget))
+            min_io[label].append(min_opt_ssd_bytes(profiles[label], budget, m, opt_bytes))
+            for sched in ("vertical", "horizontal"):
+                plan = search(prof, schedule=sched, n_micro=m)
+                if isinstance(plan, Infeasible):
+                    raise SystemExit(f"{sched} M={m} {label}: {plan.message}")
+                pj = plan_json(plan)
+                plans[label][sched].append(pj)
+                r = snake_run(cfg, placement=plan.placement, alpha=plan.alpha, schedule=sched, cap=cap,
+                              cpu_memory_bytes=budget, **common)
+                r["plan"] = pj
                 runs.setdefault(f"{sched}_{label}", []).append(r)
-                print(f"M={m:2d} {sched:10s} {label:8s} {r['tokens_per_s']:8.1f} tok/s "
-                      f"({r['iteration_seconds']['median']:.2f} s/it)", flush=True)
+                pl = pj["placement"]
+                print(f"M={m:2d} {sched:10s} {label:8s} plan p/c/o={pl['param']:.2f}/{pl['ckpt']:.2f}/{pl['opt']:.2f} "
+                      f"alpha={plan.alpha:.2f} pred {plan.predicted_tokens_per_s:6.1f} | "
+                      f"{r['tokens_per_s']:7.1f} tok/s ({r['iteration_seconds']['median']:.2f} s/it, "
+                      f"SSD {r['traffic']['ssd_bytes'] / 1e6:.0f} MB)", flush=True)
+            if args.fixed:
+                run_fixed(cfg, runs, m, label, cap, common)
         for ck in (False, True):
             r = torch_run(cfg, activation_checkpointing=ck, **common)
             runs.setdefault(r["schedule"], []).append(r)
@@ -146,31 +252,61 @@ def main() -> None:
                                           "block_params": cfg.block_params(),
                                           "params": cfg.num_params(),
                                           "flops_per_token": model_flops_per_token(cfg, T)},
-        "placement": {"param": PLACEMENT.param, "ckpt": PLACEMENT.ckpt, "opt": PLACEMENT.opt},
-        "alpha_vertical": ALPHA_V, "cap_bytes_per_s": CAP, "optimizer_state_bytes": opt_bytes,
+        "cpu_memory_budget_bytes": budget, "budget_model": budget_model, "plans": plans,
+        "min_io_bytes": min_io,
+        "fixed_placement": {"param": PLACEMENT.param, "ckpt": PLACEMENT.ckpt, "opt": PLACEMENT.opt},
+        "fixed_alpha_vertical": ALPHA_V, "cap_bytes_per_s": CAP, "optimizer_state_bytes": opt_bytes,
         "profiles": {k: p.to_json() for k, p in profiles.items()}, "runs": runs, "Ms": ms,
         "seconds_total": time.perf_counter() - t_start,
     }
     analyze(result)
+    print_summary(result)
+    print(f"total {result['seconds_total']:.0f} s")
     finish("throughput_quick" if args.quick else "throughput", result)
+
+
+def run_fixed(cfg, runs: dict, m: int, label: str, cap: float | None, common: dict) -> None:
+    """The old comparison: PLACEMENT for both schedules, no CPU budget."""
+    for sched, alpha in (("vertical", ALPHA_V), ("horizontal", 0.0)):
+        r = snake_run(cfg, placement=PLACEMENT, alpha=alpha, schedule=sched, cap=cap, **common)
+        runs.setdefault(f"fixed_{sched}_{label}", []).append(r)
+        print(f"M={m:2d} {sched:10s} {label:8s} fixed placement "
+              f"{r['tokens_per_s']:7.1f} tok/s ({r['iteration_seconds']['median']:.2f} s/it, "
+              f"SSD {r['traffic']['ssd_bytes'] / 1e6:.0f} MB)", flush=True)
+
+
+def print_summary(result: dict) -> None:
+    for k, s in result["summary"].items():
+        if isinstance(s, dict):
+            print(f"{k}: saturated v/h {s['saturated_vertical_over_horizontal']:.2f}, M to 90 %: "
+                  f"v {s['M_to_90pct_vertical']} h {s['M_to_90pct_horizontal']}, vertical / roofline "
+                  + " ".join(f"{x['ratio']:.2f}" for x in s["vertical_vs_roofline"]))
 
 
 def finish(name: str, result: dict) -> None:
     runs, roof, ms = result["runs"], result["rooflines"], result["Ms"]
     print(save(name, result))
+    budget = result.get("cpu_memory_budget_bytes")
     fig, axes = figure(1, 2, size=(12, 4.5))
     for ax, label in zip(axes, ("capped", "uncapped"), strict=True):
         for key, style, lab in (
-            (f"vertical_{label}", "o-", "snake vertical"), (f"horizontal_{label}", "s-", "snake horizontal"),
+            (f"vertical_{label}", "o-", "snake vertical (planned)"),
+            (f"horizontal_{label}", "s-", "snake horizontal (planned)"),
+            (f"fixed_vertical_{label}", "o--", "vertical, fixed placement"),
+            (f"fixed_horizontal_{label}", "s--", "horizontal, fixed placement"),
             ("torch", "^:", "PyTorch in memory"), ("torch+ckpt", "v:", "PyTorch + checkpointing"),
         ):
-            ax.plot([r["micro_batches"] for r in runs[key]], [r["tokens_per_s"] for r in runs[key]], style, label=lab)
+            if key in runs:
+                ax.plot([r["micro_batches"] for r in runs[key]], [r["tokens_per_s"] for r in runs[key]], style, label=lab)
         ax.plot(ms, [r["roofline"] for r in roof[label]], "k--", label="roofline min(compute, opt I/O)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches per iteration")
         ax.set_ylabel("tokens/s")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{label} SSD" + (f" ({CAP / 1e6:.0f} MB/s)" if label == "capped" else ""))
+        title = f"{label} SSD" + (f" ({result['cap_bytes_per_s'] / 1e6:.0f} MB/s)" if label == "capped" else "")
+        if budget:
+            title += f", CPU budget {budget / 2**20:.0f} MiB"
+        ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
