@@ -3,6 +3,7 @@ and running blocking work on an executor with a trace span around it."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
@@ -13,7 +14,7 @@ from snake.trace import Tracer
 R = TypeVar("R")
 
 
-class Actor:
+class Actor(abc.ABC):
     name: str = "actor"
 
     def __init__(self, tracer: Tracer) -> None:
@@ -40,5 +41,6 @@ class Actor:
             self.busy = None
             self.tracer.add(self.name, label, start, self.tracer.now(), **span)
 
-    async def run(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """The actor's whole life: returns when its work for the run is done."""
