@@ -74,7 +74,7 @@ def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: 
     xr = x.clone().requires_grad_(True)
     grad_out = torch.randn_like(x)
 
-    # the runtime's own kernels (functional_call over a device slot, RNG fork, fp32
+    # the runtime's own kernels (the shell block bound to a device slot, RNG seeding, fp32
     # gradient accumulation), so the profile includes what the compute actor really pays
     from snake.adapters import describe
     from snake.config import SnakeConfig
