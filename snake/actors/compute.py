@@ -148,9 +148,8 @@ class Compute(Actor):
         last = len(stage.micro_batches) - 1
         out_carry = None
         acc = None
-        if e.vertical:
+        if e.vertical:  # the first micro-batch writes the slot, the others add to it
             acc = await e.grad_slots.acquire()
-            await self._k("zero grads", acc.zero_)
         for j, m in enumerate(stage.micro_batches):
             self.at(t, layer, m)
             x = (await self.inbox.take(("ckpt", g, layer, m))).tensor
@@ -162,7 +161,7 @@ class Compute(Actor):
             buf = acc if acc is not None else await e.grad_slots.acquire()
             gx = await self._k(
                 f"bwd L{layer} mb{m}", k.block_bwd, slot, x, gy, buf,
-                t=t, layer=layer, m=m, accumulate=e.vertical,
+                t=t, layer=layer, m=m, accumulate=acc is not None and j > 0,
             )
             if acc is None:
                 first = stage.index == self.first_bwd[layer]
