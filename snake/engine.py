@@ -149,8 +149,8 @@ class Engine:
 
     def _make_grads(self) -> None:
         """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers
-        for the now-step, plus one alpha-sized fp32 slice per layer holding the delayed
-        share until the next iteration's forward. Horizontal: an fp32 accumulator per layer
+        for the now-step, plus room per layer for the delayed (alpha) share until the next
+        iteration's forward (`_delayed_room`). Horizontal: an fp32 accumulator per layer
         (ZeRO-Infinity style; the delayed share stays in it until it is stepped)."""
         n_del = self.part_sizes[DELAYED]
         if self.vertical:
@@ -158,12 +158,34 @@ class Engine:
                 "host_grads", [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(PoolSizes().grad_buffers)]
             )
             self._all_pools.append(self.grad_host)
-            self.delayed_grads = [alloc_host_tensor(n_del, torch.float32, pin=False) for _ in range(self.N)]
+            self.delayed_grads = [self._delayed_room(layer, n_del) for layer in range(self.N)]
             self.accumulators: list[torch.Tensor] = []
         else:
             self.grad_host = None
             self.delayed_grads = []
             self.accumulators = [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(self.N)]
+
+    def _delayed_room(self, layer: int, n: int) -> list[torch.Tensor]:
+        """fp32 room for `n` delayed gradient elements of `layer`, as consecutive pieces.
+
+        First the CPU head of the layer's delayed parameter share, reinterpreted as fp32
+        (GreedySnake 4.4: once the layer's backward is done, those parameters are stale until
+        the delayed step rewrites them from the fp32 master, so their memory can hold the
+        gradient meanwhile); then a dedicated slice for what does not fit there (all of it
+        when the parameters live on SSD; half of it with 2-byte parameters)."""
+        if not n:
+            return []
+        store = self.stores["param"]
+        u = store.unit((layer, DELAYED))
+        start = -(-u.head_offset * store.esize // 4) * 4  # first 4-byte-aligned byte of the head
+        stop = (u.head_offset + u.k) * store.esize
+        reused = min(n, max(0, (stop - start) // 4))
+        room = []
+        if reused:
+            room.append(store.cpu.view(torch.uint8)[start : start + 4 * reused].view(torch.float32))
+        if n - reused:
+            room.append(alloc_host_tensor(n - reused, torch.float32, pin=False))
+        return room
 
     def load_initial_weights(self) -> None:
         """Blocking: write every block's weights into the param and opt stores (fp32 master,

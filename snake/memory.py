@@ -68,7 +68,8 @@ def host_memory(
     Per kind: the CPU-resident heads (share x total) plus tail staging buffers sized for the
     SSD share ((1 - share) x unit, times the pool count). Plus kinds that always live in CPU
     memory: inter-layer gradients (vertical: two layers' worth), gradients (vertical: a few whole-layer buffers and the
-    delayed alpha share of every layer; horizontal: one fp32 accumulator per layer), and the
+    delayed alpha share of every layer, partly in the memory of the CPU-resident delayed
+    parameters; horizontal: one fp32 accumulator per layer), and the
     resident pre/post optimizer state. Page padding of tails is ignored (< ALIGN per buffer)."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
     param_total = n * p * db
@@ -88,7 +89,11 @@ def host_memory(
     tails = param_pool * param_unit + ckpt_pool * ckpt_unit + opt_pool * opt_unit
     act_grads = (2 * n_micro * c * db) if schedule == "vertical" else 0  # two layers' slots
     if schedule == "vertical":
+        # the delayed (alpha) fp32 gradients wait in the memory of the CPU-resident delayed
+        # parameters (stale until the delayed step rewrites them) and in dedicated memory
+        # for the rest: alpha x n x p x (4 - db x param share) bytes of their own
         grads = pools.grad_buffers * p * 4 + alpha * n * p * 4
+        per_share["param"] -= alpha * n * p * db
     else:
         grads = n * p * 4
     resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)

@@ -11,8 +11,10 @@ l % workers (GreedySnake 4.3-4.4).
 now-step: the first (1 - alpha) of the layer's elements, as soon as the gradient is in
 CPU memory, overlapping the backward of later layers. delayed step: the remaining alpha,
 in the next iteration before the layer's forward; its gradient waits in CPU memory
-(vertical: one alpha-sized fp32 slice per layer; horizontal: the layer's accumulator).
-AdamW is element-wise, so the split gives exactly the result of alpha = 0.
+(vertical: in the memory of the layer's CPU-resident delayed parameters, which are stale
+until this step rewrites them, plus a dedicated slice for the rest, GreedySnake 4.4;
+horizontal: the layer's accumulator). AdamW is element-wise, so the split gives exactly
+the result of alpha = 0.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class OptimizerWorker(Actor):
         e = self.e
         n_now = e.part_sizes[NOW]
         host: torch.Tensor | None = None
+        grads: torch.Tensor | list[torch.Tensor]
         if op.kind == "now":
             msg: GradsOnHost = await self.inbox.take(("grads", op.t, op.layer))
             host = msg.buf
@@ -81,7 +84,8 @@ class OptimizerWorker(Actor):
         def work() -> None:
             step_unit(e, grads, ou, otail, pu, ptail, op.step)
             if full is not None and e.vertical and e.part_sizes[1]:
-                e.delayed_grads[op.layer].copy_(full[n_now:])
+                # into the layer's delayed parameter share (stale now) and its spare room
+                scatter([full[n_now:]], e.delayed_grads[op.layer])
 
         try:
             await self.work(e.executors["optimizer"], f"adamw L{op.layer} {op.kind}", work)
@@ -109,7 +113,7 @@ class OptimizerWorker(Actor):
 
 def step_unit(
     e: Engine,
-    grads: torch.Tensor,
+    grads: torch.Tensor | list[torch.Tensor],
     ou: Unit,
     otail: HostBuffer | None,
     pu: Unit,
@@ -117,16 +121,22 @@ def step_unit(
     step: int,
 ) -> None:
     """Blocking: AdamW on one part of one layer, its state split between the CPU head and
-    the staged SSD tail; then the new compute-dtype parameters into the param unit's head
-    (in place) and staged tail."""
+    the staged SSD tail, its gradient one tensor or consecutive pieces; then the new
+    compute-dtype parameters into the param unit's head (in place) and staged tail. The
+    gradient is read in full before any parameter is written (it may live in the memory of
+    the delayed parameters it updates)."""
     ostore, pstore = e.stores["opt"], e.stores["param"]
     pieces = [ostore.head(ou)]
     if otail is not None:
         pieces.append(ostore.tail(ou, otail))
-    g = [grads[: ou.k], grads[ou.k :]][: len(pieces)]
-    adamw_step(
-        [p[0] for p in pieces], g, [p[1] for p in pieces], [p[2] for p in pieces], step=step, opt=e.config.optimizer
-    )
+    master, m, v, g = [], [], [], []
+    for cut in _aligned([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces],
+                         grads if isinstance(grads, list) else [grads]]):
+        master.append(cut[0])
+        m.append(cut[1])
+        v.append(cut[2])
+        g.append(cut[3])
+    adamw_step(master, g, m, v, step=step, opt=e.config.optimizer)
     dst = [pstore.head(pu)[0]]
     if ptail is not None:
         dst.append(pstore.tail(pu, ptail)[0])
@@ -158,3 +168,27 @@ def flush_delayed(e: Engine) -> None:
         e.ledger.set(("opt", layer, 1), t)
         e.ledger.set(("param", layer, 1), t)
     e.first_delayed = t + 1
+
+
+def _aligned(runs: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+    """Cut several runs of flat tensors (each run the same total length, split differently)
+    at the union of their boundaries: tuples of equal-length views, one per run, in order."""
+    total = sum(t.numel() for t in runs[0])
+    assert all(sum(t.numel() for t in r) == total for r in runs), "runs differ in length"
+    pos = [[0, 0] for _ in runs]  # (tensor index, offset in it) per run
+    out = []
+    done = 0
+    while done < total:
+        n = min(r[i].numel() - off for r, (i, off) in zip(runs, pos, strict=True))
+        if n == 0:  # an empty tensor in some run: step over it
+            for r, p in zip(runs, pos, strict=True):
+                if r[p[0]].numel() == p[1]:
+                    p[0], p[1] = p[0] + 1, 0
+            continue
+        out.append(tuple(r[i][off : off + n] for r, (i, off) in zip(runs, pos, strict=True)))
+        for r, p in zip(runs, pos, strict=True):
+            p[1] += n
+            if p[1] == r[p[0]].numel():
+                p[0], p[1] = p[0] + 1, 0
+        done += n
+    return out
