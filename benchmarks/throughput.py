@@ -4,7 +4,7 @@ under the SAME CPU memory budget (`SnakeConfig.cpu_memory_bytes`) and the same S
 plain in-memory PyTorch with gradient accumulation with and without per-block activation
 checkpointing, and the roofline min(compute, I/O).
 
-    python benchmarks/throughput.py            # ~5 min on 2 cores; --quick for a smoke run
+    python benchmarks/throughput.py            # ~8 min on 2 cores (M = 1..32); --quick for a smoke run
     python benchmarks/throughput.py --fixed    # + the old fixed-placement comparison (~+3.5 min)
     python benchmarks/throughput.py --fixed-only  # only that pair, added to the saved JSON
 
@@ -143,6 +143,11 @@ def analyze(result: dict) -> None:
                 "saturated_vertical_tokens_per_s": vsat, "saturated_horizontal_tokens_per_s": hsat,
                 "saturated_vertical_over_horizontal": vsat / hsat,
                 "M_to_90pct_vertical": first_at(v, 0.9), "M_to_90pct_horizontal": first_at(h, 0.9),
+                # the same over the sweep 1..16 only
+                "M_to_90pct_vertical_upto16": first_at([x for x in v if x[0] <= 16], 0.9),
+                "M_to_90pct_horizontal_upto16": first_at([x for x in h if x[0] <= 16], 0.9),
+                "saturated_vertical_over_horizontal_upto16": (
+                    max(t for m, t in v if m <= 16) / max(t for m, t in h if m <= 16)),
                 "vertical_vs_roofline": vs_roof, "vertical_over_horizontal_per_M": spread,
             }
     summary["vertical_uncapped_over_torch_ckpt"] = [
@@ -164,6 +169,9 @@ def main() -> None:
                     help="run only the fixed-placement pair and add it to the saved JSON")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
     ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON")
+    ap.add_argument("--ms", default="1,2,4,8,16,32",
+                    help="micro-batches per iteration to sweep (the issue's 1..16, plus 32 to see "
+                         "where horizontal saturates)")
     args = ap.parse_args()
     if args.reanalyze:
         import json
@@ -187,7 +195,7 @@ def main() -> None:
         finish("throughput", result)
         return
     L, C, T, MB = N_LAYER, 512, 32, 1
-    ms = [1, 2] if args.quick else [1, 2, 4, 8, 16]
+    ms = [1, 2] if args.quick else [int(x) for x in args.ms.split(",")]
     steps = 2 if args.quick else args.steps
     cfg = gpt_config(L, C, T)
     budget = int(args.budget_mib * 2**20)
@@ -279,7 +287,10 @@ def print_summary(result: dict) -> None:
     for k, s in result["summary"].items():
         if isinstance(s, dict):
             print(f"{k}: saturated v/h {s['saturated_vertical_over_horizontal']:.2f}, M to 90 %: "
-                  f"v {s['M_to_90pct_vertical']} h {s['M_to_90pct_horizontal']}, vertical / roofline "
+                  f"v {s['M_to_90pct_vertical']} h {s['M_to_90pct_horizontal']} "
+                  f"(M <= 16: v/h {s.get('saturated_vertical_over_horizontal_upto16', 0):.2f}, "
+                  f"v {s.get('M_to_90pct_vertical_upto16')} h {s.get('M_to_90pct_horizontal_upto16')}), "
+                  "vertical / roofline "
                   + " ".join(f"{x['ratio']:.2f}" for x in s["vertical_vs_roofline"]))
 
 
