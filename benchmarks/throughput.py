@@ -150,7 +150,7 @@ def analyze(result: dict) -> None:
                     max(t for m, t in v if m <= 16) / max(t for m, t in h if m <= 16)),
                 "vertical_vs_roofline": vs_roof, "vertical_over_horizontal_per_M": spread,
             }
-    summary["vertical_uncapped_over_torch_ckpt"] = [
+    summary["vertical_uncapped_over_torch_ckpt"] = [] if "vertical_uncapped" not in runs else [
         {"M": rv["micro_batches"], "vertical_uncapped": rv["tokens_per_s"], "torch_ckpt": rt["tokens_per_s"],
          "ratio": rv["tokens_per_s"] / rt["tokens_per_s"],
          "snake_compute_busy_s": rv["busy_s_per_iteration"].get("compute"),
@@ -169,6 +169,8 @@ def main() -> None:
                     help="run only the fixed-placement pair and add it to the saved JSON")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
     ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON")
+    ap.add_argument("--capped-only", action="store_true", help="only the capped SSD (no uncapped pass)")
+    ap.add_argument("--name", default="throughput", help="results file name (benchmarks/results/NAME.json)")
     ap.add_argument("--ms", default="1,2,4,8,16,32",
                     help="micro-batches per iteration to sweep (the issue's 1..16, plus 32 to see "
                          "where horizontal saturates)")
@@ -202,7 +204,7 @@ def main() -> None:
     t_start = time.perf_counter()
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    caps = {"capped": CAP, "uncapped": None}
+    caps: dict[str, float | None] = {"capped": CAP} if args.capped_only else {"capped": CAP, "uncapped": None}
     profiles = {}
     for label, cap in caps.items():
         profiles[label] = measure_profile(
@@ -212,8 +214,8 @@ def main() -> None:
     opt_bytes = L * cfg.block_params() * OPT_BYTES_PER_ELEM
 
     # the budget in the runtime's own memory model (snake.memory.host_memory)
-    shape = profiles["uncapped"].shape
-    _, dev = host_budget(profiles["uncapped"], 1)
+    shape = profiles["capped"].shape
+    _, dev = host_budget(profiles["capped"], 1)
     budget_model = {}
     for sched in ("vertical", "horizontal"):
         mem = host_memory(shape, n_micro=1, alpha=0.0, schedule=sched, workers=2)
@@ -270,7 +272,7 @@ def main() -> None:
     analyze(result)
     print_summary(result)
     print(f"total {result['seconds_total']:.0f} s")
-    finish("throughput_quick" if args.quick else "throughput", result)
+    finish("throughput_quick" if args.quick else args.name, result)
 
 
 def run_fixed(cfg, runs: dict, m: int, label: str, cap: float | None, common: dict) -> None:
@@ -300,6 +302,9 @@ def finish(name: str, result: dict) -> None:
     budget = result.get("cpu_memory_budget_bytes")
     fig, axes = figure(1, 2, size=(12, 4.5))
     for ax, label in zip(axes, ("capped", "uncapped"), strict=True):
+        if label not in roof:
+            ax.set_visible(False)
+            continue
         for key, style, lab in (
             (f"vertical_{label}", "o-", "snake vertical (planned)"),
             (f"horizontal_{label}", "s-", "snake horizontal (planned)"),
