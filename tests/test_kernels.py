@@ -1,0 +1,80 @@
+"""The compute kernels' plumbing: binding a device slot into the shell block (a weight shared
+inside a block is bound at every place it is used) and reproducible per-(iteration, layer,
+micro-batch) dropout that leaves the caller's RNG state alone."""
+
+import torch
+from torch import nn
+
+from snake import SnakeConfig
+from snake.adapters import ModelParts, block_param_names
+from snake.kernels import Kernels
+
+
+class TiedBlock(nn.Module):
+    """in and out projections share one weight (transposed on the way out)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.out.weight = self.inp.weight
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.inp(x))) * self.scale
+
+
+class Tiny(nn.Module):
+    def __init__(self, d: int = 8, n: int = 2, vocab: int = 11) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(TiedBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+
+def _kernels(model: Tiny) -> Kernels:
+    parts = ModelParts(
+        model=model, blocks=list(model.blocks), blocks_prefix="blocks",
+        pre=lambda m, idx: m.emb(idx), post=lambda m, h: m.head(h),
+    )
+    return Kernels(parts, SnakeConfig(offload_dir=".", micro_batches=1), torch.device("cpu"), 1)
+
+
+def test_shared_weight_bound_everywhere_and_gradients_match():
+    torch.manual_seed(0)
+    model = Tiny()
+    k = _kernels(model)
+    names = [n for n, _ in block_param_names(k.parts)]
+    assert sorted(names) == ["inp.weight", "scale"]  # the shared weight appears once
+    blk = model.blocks[1]
+    slot = torch.cat([p.detach().reshape(-1) for p in blk.parameters()])
+    x = torch.randn(2, 3, 8)
+    gy = torch.randn_like(x)
+
+    y = k.block_fwd(slot, x, 0, 1, 0)
+    torch.testing.assert_close(y, blk(x).detach())
+
+    acc = torch.zeros_like(slot)
+    gx = k.block_bwd(slot, x, gy, acc, t=0, layer=1, m=0, accumulate=False)
+    xr = x.clone().requires_grad_(True)
+    blk(xr).backward(gy)
+    want = torch.cat([p.grad.reshape(-1) for p in blk.parameters()])  # tied weight: both uses summed
+    torch.testing.assert_close(acc, want)
+    torch.testing.assert_close(gx, xr.grad)
+    # the shell's two sites hold the same tensor (the slot's view), not a stale copy
+    shell = k.block.block
+    assert shell.inp.weight is shell.out.weight
+
+
+def test_rng_is_per_call_and_restores_callers_state():
+    k = _kernels(Tiny())
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with k.rng(3, 1, 2):
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)
+    with k.rng(3, 1, 2):
+        b = torch.rand(4)
+    with k.rng(3, 1, 3):
+        c = torch.rand(4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
