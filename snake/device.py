@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes.util
+from collections.abc import Callable
 from functools import cache
 
 import torch
+from threadpoolctl import threadpool_limits
 
 from snake.errors import ConfigError
 
@@ -47,6 +49,28 @@ def device_memory_bytes(device: torch.device) -> int | None:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return None
+
+
+def helper_thread_init(device: torch.device) -> Callable[[], None] | None:
+    """The initializer for snake's threads other than the compute thread (copies, I/O,
+    optimizer, data), or None.
+
+    On a CPU device the compute thread's kernels are the device: they keep torch's intra-op
+    threads, and every other snake thread runs its torch ops on one thread. Otherwise each
+    of them brings its own OpenMP team onto the same cores, the compute team's worker gets
+    preempted, every parallel region of a kernel waits for it, and the compute kernels ran
+    at 0.65-0.75x of their speed alone on 2 cores (BENCHMARKS.md section 0). Only the
+    calling thread's OpenMP setting changes: the caller's, torch's default for new threads
+    and BLAS pools stay as they were. On CUDA the kernels run on the GPU and the CPU
+    optimizer wants every core: nothing changes."""
+    if device.type != "cpu":
+        return None
+    return _one_intraop_thread
+
+
+def _one_intraop_thread() -> None:
+    torch.get_num_threads()  # torch sets each thread's OpenMP count on first use: do that first
+    threadpool_limits(1, user_api="openmp")  # this thread's count only (an OpenMP per-thread setting)
 
 
 def synchronize(device: torch.device) -> None:

@@ -15,7 +15,7 @@ from snake.adapters import ModelParts
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
 from snake.config import Placement, SnakeConfig
-from snake.device import pin_host_memory
+from snake.device import helper_thread_init, pin_host_memory
 from snake.errors import ConfigError
 from snake.io.base import TokenBucket
 from snake.kernels import Kernels
@@ -88,11 +88,12 @@ class Engine:
             raise
         self._make_pools()
         self._make_grads()
+        init = helper_thread_init(device)  # on a CPU device: one intra-op thread outside compute
         self.executors = {
             "compute": ThreadPoolExecutor(1, thread_name_prefix="snake-compute"),
-            "copy": ThreadPoolExecutor(1, thread_name_prefix="snake-copy"),
-            "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io"),
-            "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer"),
+            "copy": ThreadPoolExecutor(1, thread_name_prefix="snake-copy", initializer=init),
+            "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io", initializer=init),
+            "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer", initializer=init),
             "data": data_executor,
         }
 

@@ -17,7 +17,7 @@ from snake.adapters import ModelParts, block_param_names, describe
 from snake.blocking import run_blocking
 from snake.config import SnakeConfig
 from snake.data import DataSource, split_batch
-from snake.device import resolve_device
+from snake.device import helper_thread_init, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, SnakeError
 from snake.offload_dir import DirLock, check_offload_dir
@@ -191,7 +191,9 @@ class SnakeTrainer:
 
     async def _build(self) -> None:
         cfg = self.config
-        self._data_ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data")
+        self._data_ex = ThreadPoolExecutor(
+            1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
+        )
         first = await self.source.peek(self._data_ex)
         if cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None:
             cfg = await self._plan(first)
