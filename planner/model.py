@@ -3,7 +3,8 @@
 A schedule is a list of phases per layer and iteration (vertical: one forward stage and one
 backward stage covering all n micro-batches; horizontal: per-micro-batch stages). A phase
 lasts as long as its slowest resource (compute, CPU Adam, host->device, device->host, SSD),
-all assumed to overlap (GreedySnake 4.5). Each resource gives a lower bound on the phase time
+all assumed to overlap (GreedySnake 4.5), except on a CPU device, where the first four
+share the cores and add up. Each resource gives a lower bound on the phase time
 that is linear in the CPU shares x = (param, ckpt, opt):
 
     t_phase >= seconds + sum_k per_share[k] * x_k
@@ -74,18 +75,29 @@ def ssd_seconds_per_kind(profile, t: Traffic) -> tuple[float, float, float]:
 
 
 def phase(profile, name: str, count: int, t: Traffic) -> Phase:
-    """The five resource bounds of one phase."""
+    """The resource bounds of one phase: compute, CPU Adam, host->device, device->host, SSD;
+    on a CPU device also `host`, their sum: there the kernels, AdamW and the copies run on
+    the same cores (each was measured with all of them), so they add up instead of
+    overlapping."""
     ssd = ssd_seconds_per_kind(profile, t)
+    cpu_work = (
+        t.compute_seconds,
+        t.adam_elems / profile.adam_elems_per_s,
+        t.h2d_bytes / profile.h2d_bytes_per_s,
+        t.d2h_bytes / profile.d2h_bytes_per_s,
+    )
+    shared = (Bound(f"host_{name}", sum(cpu_work)),) if profile.device == "cpu" else ()
     return Phase(
         name=name,
         count=count,
         traffic=t,
         bounds=(
-            Bound(f"compute_{name}", t.compute_seconds),
-            Bound(f"adam_{name}", t.adam_elems / profile.adam_elems_per_s),
-            Bound(f"h2d_{name}", t.h2d_bytes / profile.h2d_bytes_per_s),
-            Bound(f"d2h_{name}", t.d2h_bytes / profile.d2h_bytes_per_s),
+            Bound(f"compute_{name}", cpu_work[0]),
+            Bound(f"adam_{name}", cpu_work[1]),
+            Bound(f"h2d_{name}", cpu_work[2]),
+            Bound(f"d2h_{name}", cpu_work[3]),
             Bound(f"ssd_{name}", sum(ssd), (-ssd[0], -ssd[1], -ssd[2])),
+            *shared,
         ),
     )
 

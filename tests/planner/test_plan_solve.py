@@ -103,6 +103,26 @@ def test_cpu_device_working_set_comes_off_the_host_budget():
 
 
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+def test_cpu_device_adds_compute_adam_and_copies(schedule):
+    """On a CPU device the kernels, AdamW and the host<->device copies share the cores: a
+    phase with everything in CPU memory (no SSD traffic) lasts their sum, on CUDA the
+    slowest of them."""
+    from planner.model import phases_for
+
+    cuda = synthetic_profile(cpu_memory_bytes=512 * GiB, h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9)
+    cpu = dataclasses.replace(cuda, device="cpu")
+    x = (1.0, 1.0, 1.0)
+    for ph_cuda, ph_cpu in zip(phases_for(cuda, 4, 0.2, schedule), phases_for(cpu, 4, 0.2, schedule), strict=True):
+        parts = [b.at(x) for b in ph_cuda.bounds if not b.name.startswith("ssd_")]
+        assert ph_cuda.seconds_at(x) == pytest.approx(max(parts))
+        assert ph_cpu.seconds_at(x) == pytest.approx(sum(parts))
+        assert sum(parts) > max(parts)
+    a, b = solve(cuda, n_micro=4, alpha=0.2, schedule=schedule), solve(cpu, n_micro=4, alpha=0.2, schedule=schedule)
+    assert b.predicted_iteration_seconds > a.predicted_iteration_seconds
+    assert any(name.startswith("host_") for name in b.binding)
+
+
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_plan_fields_are_consistent(schedule, n):
     p = synthetic_profile()
