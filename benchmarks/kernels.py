@@ -5,31 +5,44 @@
    `torch.utils.checkpoint` forward+backward, interleaved rounds;
 2. per iteration, everything in CPU memory, vertical, alpha 0: snake's kernels called in
    schedule order on one thread (no actors), the real runtime (`SnakeTrainer.run`), and
-   PyTorch with per-block checkpointing (gradient accumulation + fused AdamW), alternating.
+   PyTorch with per-block checkpointing (gradient accumulation + fused AdamW), alternating;
+3. the runtime alone in fresh processes (as `snake train` runs), alternating: snake's
+   helper threads at one intra-op thread (`snake.device.helper_thread_init`, the default on
+   a CPU device) vs at torch's count (the behaviour before it), with the cores busy.
 
 (1) says whether the kernels cost more than PyTorch's; (2) whether the runtime around them
 (actors, executor hops, mover and optimizer threads on the same cores) does.
 
-    python benchmarks/kernels.py [--rounds 4] [--seq 32] [--mbs 1]     # ~1.5 min here
+    python benchmarks/kernels.py [--rounds 4] [--seq 32] [--mbs 1] [--ab-rounds 3]   # ~2.5 min here
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from common import SCRATCH, gpt_config, machine, make_batches, make_model, save, torch_loop
 from torch.utils.checkpoint import checkpoint
 
+import snake.engine
+import snake.trainer
 from snake import Placement, SnakeConfig, SnakeTrainer
 from snake.adapters import describe
 from snake.kernels import Kernels
+
+T = TypeVar("T")
 
 
 def per_block(cfg, seq: int, mbs: int, rounds: int) -> dict[str, float]:
@@ -110,37 +123,107 @@ async def runtime_iteration(cfg, m: int, mbs: int, seq: int, steps: int) -> floa
     return statistics.median(s.seconds for s in rep.steps[1:])
 
 
+@contextlib.contextmanager
+def _unlimited_helpers() -> Iterator[None]:
+    """The behaviour before `snake.device.helper_thread_init`: helper threads at torch's count."""
+    saved = snake.engine.helper_thread_init, snake.trainer.helper_thread_init
+    snake.engine.helper_thread_init = snake.trainer.helper_thread_init = lambda device: None
+    try:
+        yield
+    finally:
+        snake.engine.helper_thread_init, snake.trainer.helper_thread_init = saved
+
+
+def on_worker(fn: Callable[[], T]) -> T:
+    """fn on a fresh worker thread, as the compute actor runs its kernels. The thread exits
+    before the next measurement: a live thread that ran torch ops keeps an idle OpenMP team,
+    and with one more team in the process libgomp treats the cores as oversubscribed and
+    stops spinning between parallel regions (measured: a fresh process running snake with
+    one extra idle team had 1.5 instead of 2.0 cores busy and 0.52 instead of 0.41 s per
+    iteration)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-kernels") as ex:
+        return ex.submit(fn).result()
+
+
+def child(args) -> None:  # type: ignore[no-untyped-def]
+    """One fresh process: the runtime alone (as `snake train` runs it); prints a JSON line."""
+    cfg = gpt_config(4, 512, args.seq)
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    async def go() -> dict[str, float]:
+        data = make_batches(cfg, args.m * args.mbs, args.seq, 13)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            conf = SnakeConfig(micro_batches=args.m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0,
+                               device="cpu")
+            async with SnakeTrainer(make_model(cfg), data=data, config=conf) as t:
+                await t.run(3)
+                c0, w0 = cpu(), time.perf_counter()
+                rep = await t.run(10)
+                wall = time.perf_counter() - w0
+        return {"seconds": statistics.median(s.seconds for s in rep.steps), "cpu_per_wall": (cpu() - c0) / wall}
+
+    if args.child == "unlimited":
+        with _unlimited_helpers():
+            print(json.dumps(asyncio.run(go())))
+    else:
+        print(json.dumps(asyncio.run(go())))
+
+
+def helper_threads_ab(args) -> dict:  # type: ignore[no-untyped-def]
+    """3. The runtime with its helper threads at one intra-op thread (snake's default on a
+    CPU device) vs at torch's count, alternating fresh processes."""
+    runs: dict[str, list[dict[str, float]]] = {"limited": [], "unlimited": []}
+    for _ in range(args.ab_rounds):
+        for mode in runs:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", mode, "--seq", str(args.seq), "--mbs", str(args.mbs),
+                 "--m", str(args.m)], check=True, capture_output=True, text=True,
+            ).stdout
+            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+            print(mode, runs[mode][-1], flush=True)
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    return {"runs": runs, "median": med,
+            "limited_over_unlimited": med["limited"]["seconds"] / med["unlimited"]["seconds"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--mbs", type=int, default=1)
-    ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration in part 2")
+    ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration in parts 2 and 3")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="fresh-process pairs in part 3")
+    ap.add_argument("--child", choices=("limited", "unlimited"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     SCRATCH.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        child(args)
+        return
     cfg = gpt_config(4, 512, args.seq)
-    with ThreadPoolExecutor(1, thread_name_prefix="bench-kernels") as ex:  # as the compute actor
-        blocks = ex.submit(per_block, cfg, args.seq, args.mbs, args.rounds).result()
-        print({k: round(v, 3) for k, v in blocks.items()}, flush=True)
-        seq_run = ex.submit(sequential_iteration, cfg, args.m, args.mbs, args.seq).result()
-        rows: dict[str, list[float]] = {"sequential_kernels": [], "runtime": [], "torch_ckpt": []}
-        for _ in range(args.rounds):
-            rows["runtime"].append(asyncio.run(runtime_iteration(cfg, args.m, args.mbs, args.seq, 5)))
+    blocks = on_worker(lambda: per_block(cfg, args.seq, args.mbs, args.rounds))
+    print({k: round(v, 3) for k, v in blocks.items()}, flush=True)
+    seq_run = on_worker(lambda: sequential_iteration(cfg, args.m, args.mbs, args.seq))
+    rows: dict[str, list[float]] = {"sequential_kernels": [], "runtime": [], "torch_ckpt": []}
+    for _ in range(args.rounds):
+        rows["runtime"].append(asyncio.run(runtime_iteration(cfg, args.m, args.mbs, args.seq, 5)))
 
-            def seq_time() -> float:
+        def seq_time() -> float:
+            seq_run()
+            ts = []
+            for _ in range(3):
+                t0 = time.perf_counter()
                 seq_run()
-                ts = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    seq_run()
-                    ts.append(time.perf_counter() - t0)
-                return statistics.median(ts)
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
 
-            rows["sequential_kernels"].append(ex.submit(seq_time).result())
-            r = ex.submit(lambda: torch_loop(cfg, micro_batches=args.m, micro_batch_size=args.mbs, seq=args.seq,
-                                             steps=4, activation_checkpointing=True)).result()
-            rows["torch_ckpt"].append(r["iteration_seconds"]["median"])
-            print({k: round(v[-1], 3) for k, v in rows.items()}, flush=True)
+        rows["sequential_kernels"].append(on_worker(seq_time))
+        r = on_worker(lambda: torch_loop(cfg, micro_batches=args.m, micro_batch_size=args.mbs, seq=args.seq,
+                                         steps=4, activation_checkpointing=True))
+        rows["torch_ckpt"].append(r["iteration_seconds"]["median"])
+        print({k: round(v[-1], 3) for k, v in rows.items()}, flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
         "machine": machine(), "model": {"n_layer": 4, "n_embd": 512, "seq": args.seq, "micro_batch_size": args.mbs,
@@ -149,9 +232,15 @@ def main() -> None:
         "torch_ckpt_over_sequential_kernels": med["torch_ckpt"] / med["sequential_kernels"],
         "torch_ckpt_over_runtime": med["torch_ckpt"] / med["runtime"],
     }
+    ab = helper_threads_ab(args)
+    result["helper_threads_ab"] = ab
     print(f"iteration s (median of {args.rounds}): sequential kernels {med['sequential_kernels']:.3f}, "
           f"runtime {med['runtime']:.3f}, torch+ckpt {med['torch_ckpt']:.3f}; torch/sequential "
           f"{result['torch_ckpt_over_sequential_kernels']:.2f}, torch/runtime {result['torch_ckpt_over_runtime']:.2f}")
+    print(f"helper threads, fresh processes (median of {args.ab_rounds}): one intra-op thread "
+          f"{ab['median']['limited']['seconds']:.3f} s/it ({ab['median']['limited']['cpu_per_wall']:.2f} cores busy), "
+          f"torch's count {ab['median']['unlimited']['seconds']:.3f} s/it "
+          f"({ab['median']['unlimited']['cpu_per_wall']:.2f}); ratio {ab['limited_over_unlimited']:.2f}")
     print(save("kernels", result))
 
 
