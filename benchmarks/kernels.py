@@ -8,12 +8,14 @@
    PyTorch with per-block checkpointing (gradient accumulation + fused AdamW), alternating;
 3. the runtime alone in fresh processes (as `snake train` runs), alternating: snake's
    helper threads at one intra-op thread (`snake.device.helper_thread_init`, the default on
-   a CPU device) vs at torch's count (the behaviour before it), with the cores busy.
+   a CPU device) vs at torch's count (the behaviour before it) vs the default with one more
+   live thread in the process that once ran a torch op (its idle OpenMP team), with the
+   cores busy.
 
 (1) says whether the kernels cost more than PyTorch's; (2) whether the runtime around them
 (actors, executor hops, mover and optimizer threads on the same cores) does.
 
-    python benchmarks/kernels.py [--rounds 4] [--seq 32] [--mbs 1] [--ab-rounds 3]   # ~2.5 min here
+    python benchmarks/kernels.py [--rounds 4] [--seq 32] [--mbs 1] [--ab-rounds 3] [--name kernels]   # ~2.5 min here
 """
 
 from __future__ import annotations
@@ -138,9 +140,8 @@ def on_worker(fn: Callable[[], T]) -> T:
     """fn on a fresh worker thread, as the compute actor runs its kernels. The thread exits
     before the next measurement: a live thread that ran torch ops keeps an idle OpenMP team,
     and with one more team in the process libgomp treats the cores as oversubscribed and
-    stops spinning between parallel regions (measured: a fresh process running snake with
-    one extra idle team had 1.5 instead of 2.0 cores busy and 0.52 instead of 0.41 s per
-    iteration)."""
+    stops spinning between parallel regions (part 3 measures it: with one more live
+    thread that ran a torch op, 1.5 instead of 2.0 cores busy)"""
     with ThreadPoolExecutor(1, thread_name_prefix="bench-kernels") as ex:
         return ex.submit(fn).result()
 
@@ -168,6 +169,11 @@ def child(args) -> None:  # type: ignore[no-untyped-def]
     if args.child == "unlimited":
         with _unlimited_helpers():
             print(json.dumps(asyncio.run(go())))
+    elif args.child == "extra_team":  # a live thread of "the user's" that once ran a torch op
+        with ThreadPoolExecutor(1, thread_name_prefix="user-thread") as ex:
+            a = torch.randn(1024, 1024)
+            ex.submit(lambda: a @ a).result()
+            print(json.dumps(asyncio.run(go())))
     else:
         print(json.dumps(asyncio.run(go())))
 
@@ -175,7 +181,7 @@ def child(args) -> None:  # type: ignore[no-untyped-def]
 def helper_threads_ab(args) -> dict:  # type: ignore[no-untyped-def]
     """3. The runtime with its helper threads at one intra-op thread (snake's default on a
     CPU device) vs at torch's count, alternating fresh processes."""
-    runs: dict[str, list[dict[str, float]]] = {"limited": [], "unlimited": []}
+    runs: dict[str, list[dict[str, float]]] = {"limited": [], "unlimited": [], "extra_team": []}
     for _ in range(args.ab_rounds):
         for mode in runs:
             out = subprocess.run(
@@ -196,7 +202,8 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration in parts 2 and 3")
     ap.add_argument("--ab-rounds", type=int, default=3, help="fresh-process pairs in part 3")
-    ap.add_argument("--child", choices=("limited", "unlimited"), help=argparse.SUPPRESS)
+    ap.add_argument("--name", default="kernels", help="results file name (benchmarks/results/<name>.json)")
+    ap.add_argument("--child", choices=("limited", "unlimited", "extra_team"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     SCRATCH.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -240,8 +247,10 @@ def main() -> None:
     print(f"helper threads, fresh processes (median of {args.ab_rounds}): one intra-op thread "
           f"{ab['median']['limited']['seconds']:.3f} s/it ({ab['median']['limited']['cpu_per_wall']:.2f} cores busy), "
           f"torch's count {ab['median']['unlimited']['seconds']:.3f} s/it "
-          f"({ab['median']['unlimited']['cpu_per_wall']:.2f}); ratio {ab['limited_over_unlimited']:.2f}")
-    print(save("kernels", result))
+          f"({ab['median']['unlimited']['cpu_per_wall']:.2f}); ratio {ab['limited_over_unlimited']:.2f}; "
+          f"one intra-op thread with one more live thread that ran a torch op "
+          f"{ab['median']['extra_team']['seconds']:.3f} s/it ({ab['median']['extra_team']['cpu_per_wall']:.2f})")
+    print(save(args.name, result))
 
 
 if __name__ == "__main__":
