@@ -96,7 +96,7 @@ async def snake_run_async(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
     placement: Placement | None, alpha: float | None, schedule: str = "vertical",
     cap: float | None = None, cpu_memory_bytes: int | None = None, seed: int = 0,
-    probe=None,
+    probe=None, link: float | None = None,
 ) -> dict[str, Any]:
     """One trainer, `steps` iterations; step 0 is discarded. `probe`: an async callable
     started next to run() (for loop-lag measurements); its result goes in out['probe']."""
@@ -106,7 +106,7 @@ async def snake_run_async(
         conf = SnakeConfig(
             micro_batches=micro_batches, offload_dir=d, placement=placement, alpha=alpha,
             schedule=schedule, device="cpu", ssd_bandwidth_bytes_per_s=cap,
-            cpu_memory_bytes=cpu_memory_bytes, seed=seed,
+            cpu_memory_bytes=cpu_memory_bytes, seed=seed, device_link_bytes_per_s=link,
         )
         async with SnakeTrainer(model, data=data, config=conf) as t:
             stop = asyncio.Event()

@@ -170,6 +170,9 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
     ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON")
     ap.add_argument("--capped-only", action="store_true", help="only the capped SSD (no uncapped pass)")
+    ap.add_argument("--link-mb", type=float, default=None,
+                    help="cap host<->device transfers at this many MB/s per direction for both schedules "
+                         "(SnakeConfig.device_link_bytes_per_s: emulates a PCIe link on the CPU device)")
     ap.add_argument("--name", default="throughput", help="results file name (benchmarks/results/NAME.json)")
     ap.add_argument("--ms", default="1,2,4,8,16,32",
                     help="micro-batches per iteration to sweep (the issue's 1..16, plus 32 to see "
@@ -201,6 +204,7 @@ def main() -> None:
     steps = 2 if args.quick else args.steps
     cfg = gpt_config(L, C, T)
     budget = int(args.budget_mib * 2**20)
+    link = None if args.link_mb is None else args.link_mb * 1e6
     t_start = time.perf_counter()
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
@@ -225,7 +229,8 @@ def main() -> None:
                                "everything_in_cpu_bytes": mem.at(1, 1, 1) + dev}
         print(f"{sched:10s} host bytes at M=1, alpha 0: params+ckpts in CPU, opt on SSD "
               f"{(mem.at(1, 1, 0) + dev) / 2**20:.0f} MiB; everything in CPU {(mem.at(1, 1, 1) + dev) / 2**20:.0f} MiB")
-    print(f"CPU memory budget (both schedules): {budget / 2**20:.0f} MiB; SSD cap {CAP / 1e6:.0f} MB/s", flush=True)
+    print(f"CPU memory budget (both schedules): {budget / 2**20:.0f} MiB; SSD cap {CAP / 1e6:.0f} MB/s"
+          + ("" if link is None else f"; host<->device link cap {link / 1e6:.0f} MB/s per direction"), flush=True)
 
     plans: dict[str, dict[str, list[dict]]] = {lab: {"vertical": [], "horizontal": []} for lab in caps}
     min_io: dict[str, list[float]] = {lab: [] for lab in caps}
@@ -233,7 +238,8 @@ def main() -> None:
     for m in ms:
         common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps)
         for label, cap in caps.items():
-            prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget))
+            prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget,
+                                                             device_link_bytes_per_s=link))
             min_io[label].append(min_opt_ssd_bytes(profiles[label], budget, m, opt_bytes))
             for sched in ("vertical", "horizontal"):
                 plan = search(prof, schedule=sched, n_micro=m)
@@ -242,7 +248,7 @@ def main() -> None:
                 pj = plan_json(plan)
                 plans[label][sched].append(pj)
                 r = snake_run(cfg, placement=plan.placement, alpha=plan.alpha, schedule=sched, cap=cap,
-                              cpu_memory_bytes=budget, **common)
+                              cpu_memory_bytes=budget, link=link, **common)
                 r["plan"] = pj
                 runs.setdefault(f"{sched}_{label}", []).append(r)
                 pl = pj["placement"]
@@ -262,7 +268,8 @@ def main() -> None:
                                           "block_params": cfg.block_params(),
                                           "params": cfg.num_params(),
                                           "flops_per_token": model_flops_per_token(cfg, T)},
-        "cpu_memory_budget_bytes": budget, "budget_model": budget_model, "plans": plans,
+        "cpu_memory_budget_bytes": budget, "device_link_bytes_per_s": link,
+        "budget_model": budget_model, "plans": plans,
         "min_io_bytes": min_io,
         "fixed_placement": {"param": PLACEMENT.param, "ckpt": PLACEMENT.ckpt, "opt": PLACEMENT.opt},
         "fixed_alpha_vertical": ALPHA_V, "cap_bytes_per_s": CAP, "optimizer_state_bytes": opt_bytes,

@@ -59,12 +59,15 @@ def profile_for_config(
 
 
 def with_budgets(profile: MachineProfile, config: SnakeConfig) -> MachineProfile:
-    """The profile with config.cpu_memory_bytes / device_memory_bytes where they are set."""
+    """The profile with config.cpu_memory_bytes / device_memory_bytes where they are set, and
+    config.device_link_bytes_per_s."""
     cpu, dev = config.cpu_memory_bytes, config.device_memory_bytes
+    link = config.device_link_bytes_per_s
     return dataclasses.replace(
         profile,
         cpu_memory_bytes=profile.cpu_memory_bytes if cpu is None else float(cpu),
         device_memory_bytes=profile.device_memory_bytes if dev is None else float(dev),
+        device_link_bytes_per_s=None if link is None else float(link),
     )
 
 

@@ -87,6 +87,7 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
         t.d2h_bytes / profile.d2h_bytes_per_s,
     )
     shared = (Bound(f"host_{name}", sum(cpu_work)),) if profile.device == "cpu" else ()
+    link = profile.device_link_bytes_per_s or float("inf")  # a capped link: its time, not CPU work
     return Phase(
         name=name,
         count=count,
@@ -94,8 +95,8 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
         bounds=(
             Bound(f"compute_{name}", cpu_work[0]),
             Bound(f"adam_{name}", cpu_work[1]),
-            Bound(f"h2d_{name}", cpu_work[2]),
-            Bound(f"d2h_{name}", cpu_work[3]),
+            Bound(f"h2d_{name}", t.h2d_bytes / min(profile.h2d_bytes_per_s, link)),
+            Bound(f"d2h_{name}", t.d2h_bytes / min(profile.d2h_bytes_per_s, link)),
             Bound(f"ssd_{name}", sum(ssd), (-ssd[0], -ssd[1], -ssd[2])),
             *shared,
         ),

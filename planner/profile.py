@@ -66,12 +66,16 @@ class MachineProfile:
     device_memory_bytes: float
     shape: ModelShape
     device: str = "cpu"
+    device_link_bytes_per_s: float | None = None  # SnakeConfig's emulated link cap, if any
 
     def __post_init__(self) -> None:
         for name in (*_MEASURED, "cpu_memory_bytes", "device_memory_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not v > 0 or v == float("inf"):
                 raise ConfigError(f"profile.{name}", v, "must be a finite number > 0", "remeasure")
+        link = self.device_link_bytes_per_s
+        if link is not None and (not isinstance(link, int | float) or not 0 < link < float("inf")):
+            raise ConfigError("profile.device_link_bytes_per_s", link, "must be a finite number > 0 or None")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError("profile.device", self.device, "must be 'cpu' or 'cuda'")
 

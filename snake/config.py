@@ -89,6 +89,9 @@ class SnakeConfig:
     schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
     cpu_memory_bytes / device_memory_bytes: budgets; None: what the machine has.
     ssd_bandwidth_bytes_per_s: cap on SSD reads+writes (token bucket), for experiments.
+    device_link_bytes_per_s: cap on host<->device transfers, each direction its own token
+        bucket (a full-duplex PCIe link), for experiments: on a CPU device it charges the
+        bytes a GPU would move, also where the CPU run moves none (a view of host memory).
     loss_scale: static loss scale used with float16 (ignored otherwise).
     optimizer_workers: CPU optimizer threads (one actor each).
     io_threads: threads doing blocking SSD reads and writes.
@@ -108,6 +111,7 @@ class SnakeConfig:
     cpu_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
     ssd_bandwidth_bytes_per_s: float | None = None
+    device_link_bytes_per_s: float | None = None
     loss_scale: float = 1024.0
     optimizer_workers: int = 2
     io_threads: int = 2
@@ -145,6 +149,11 @@ class SnakeConfig:
         bw = self.ssd_bandwidth_bytes_per_s
         if bw is not None and (not isinstance(bw, int | float) or not bw > 0):
             raise ConfigError("ssd_bandwidth_bytes_per_s", bw, "must be > 0 bytes/s or None (no cap)")
+        link = self.device_link_bytes_per_s
+        if link is not None and (
+            not isinstance(link, int | float) or isinstance(link, bool) or not math.isfinite(link) or not link > 0
+        ):
+            raise ConfigError("device_link_bytes_per_s", link, "must be > 0 bytes/s or None (no cap)")
         if not (isinstance(self.loss_scale, int | float) and self.loss_scale > 0):
             raise ConfigError("loss_scale", self.loss_scale, "must be > 0")
         st = self.stall_timeout_s

@@ -4,6 +4,7 @@ before any actor starts; sized so that memory does not grow step over step."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,6 +68,8 @@ class Engine:
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None
+        link = config.device_link_bytes_per_s  # an emulated host<->device link: one bucket per direction
+        self.links = {d: TokenBucket(link) for d in ("cpu->gpu", "gpu->cpu")} if link else {}
         use_gds = device.type == "cuda"
         store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)
         parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.part_sizes) if n]
@@ -96,6 +99,15 @@ class Engine:
             "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer", initializer=init),
             "data": data_executor,
         }
+
+    async def link_wait(self, link: str, nbytes: int) -> None:
+        """With `device_link_bytes_per_s`: wait until `nbytes` may cross the host<->device
+        link ("cpu->gpu" / "gpu->cpu"), also for a transfer a CPU device makes by reference."""
+        bucket = self.links.get(link)
+        if bucket is not None:
+            wait = bucket.reserve(nbytes)
+            if wait > 0:
+                await asyncio.sleep(wait)
 
     def _preflight(self, offload_dir: Path, parts_units: list, ckpt_units: list) -> None:
         """Before any file is made: does the SSD tier fit on the offload_dir's disk?"""

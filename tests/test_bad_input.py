@@ -22,6 +22,8 @@ from tests.helpers import batches, tiny_gpt
         (dict(device="tpu"), "device"),
         (dict(schedule="diagonal"), "schedule"),
         (dict(ssd_bandwidth_bytes_per_s=0), "ssd_bandwidth_bytes_per_s"),
+        (dict(device_link_bytes_per_s=-5.0), "device_link_bytes_per_s"),
+        (dict(device_link_bytes_per_s=float("nan")), "device_link_bytes_per_s"),
         (dict(cpu_memory_bytes=-1), "cpu_memory_bytes"),
         (dict(optimizer_workers=0), "optimizer_workers"),
         (dict(offload_dir=""), "offload_dir"),

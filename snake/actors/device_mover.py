@@ -78,6 +78,7 @@ class HostToDevice(Actor):
             for part, n in enumerate(e.part_sizes):
                 if n:
                     await e.ledger.wait_for(("param", layer, part), op.t)
+            await e.link_wait("cpu->gpu", e.P * store.esize)
             e.traffic.add(op.t, "cpu", "gpu", "param", e.P * store.esize)
             await self.compute.put(ParamsOnDevice(op.t, op.g, layer, view, pooled=False))
             return
@@ -98,6 +99,7 @@ class HostToDevice(Actor):
                 off += n
             nbytes = e.P * store.esize
             try:
+                await e.link_wait("cpu->gpu", nbytes)
                 await self.work(e.executors["copy"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
             finally:
                 for m in tails:
@@ -133,6 +135,7 @@ class HostToDevice(Actor):
             tail = tmsg.buf
         nbytes = u.n * store.esize
         if tail is None and e.device.type == "cpu":  # the CPU copy is the device copy
+            await e.link_wait("cpu->gpu", nbytes)
             e.traffic.add(op.t, "cpu", "gpu", ld.kind, nbytes)
             dev_view = alias(store.cpu, u.head_offset, tuple(e.ckpt_shape))
             await self.compute.put(ActivationOnDevice(ld.kind, op.t, op.g, ld.layer, ld.micro_batch, dev_view))
@@ -149,6 +152,7 @@ class HostToDevice(Actor):
 
         try:
             label = f"{ld.kind} L{ld.layer} mb{ld.micro_batch}"
+            await e.link_wait("cpu->gpu", nbytes)
             dev = await self.work(e.executors["copy"], label, load, link="cpu->gpu", bytes=nbytes)
         finally:
             if tail is not None:
@@ -196,6 +200,7 @@ class DeviceToHost(Actor):
         nbytes = u.n * store.esize
         try:
             label = f"{msg.kind} L{msg.layer} mb{msg.micro_batch}"
+            await e.link_wait("gpu->cpu", nbytes)
             await self.work(e.executors["copy"], label, self.copier.copy, pairs, link="gpu->cpu", bytes=nbytes)
         except BaseException:
             if buf is not None and pool is not None:
@@ -219,6 +224,7 @@ class DeviceToHost(Actor):
         if e.grad_host is not None:  # vertical: the whole accumulated gradient, once
             host = await e.grad_host.acquire()
             try:
+                await e.link_wait("gpu->cpu", nbytes)
                 await self.work(e.executors["copy"], label, self.copier.copy, [(host, msg.buf)], link="gpu->cpu", bytes=nbytes)
             except BaseException:
                 e.grad_host.release(host)
@@ -237,6 +243,7 @@ class DeviceToHost(Actor):
                 acc.add_(msg.buf.to("cpu", non_blocking=False))
 
         try:
+            await e.link_wait("gpu->cpu", nbytes)
             await self.work(e.executors["copy"], label, accumulate, link="gpu->cpu", bytes=nbytes)
         finally:
             e.grad_slots.release(msg.buf)

@@ -45,15 +45,22 @@ class TokenBucket:
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
-    def consume(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int) -> float:
+        """Take `nbytes` of tokens; returns the seconds the caller must wait before moving
+        them (0 within the burst)."""
         with self._lock:
             now = time.monotonic()
             self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
             self._last = now
             self._tokens -= nbytes
             deficit = -self._tokens
-        if deficit > 0:
-            time.sleep(deficit / self.rate)
+        return deficit / self.rate if deficit > 0 else 0.0
+
+    def consume(self, nbytes: int) -> None:
+        """Blocking: take `nbytes` and sleep until they may move."""
+        wait = self.reserve(nbytes)
+        if wait > 0:
+            time.sleep(wait)
 
 
 class Throttled:
