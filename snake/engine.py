@@ -106,8 +106,9 @@ class Engine:
         bucket = self.links.get(link)
         if bucket is not None:
             wait = bucket.reserve(nbytes)
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if wait > 0:  # drawn on its own track ("link cpu->gpu"), so the trace shows the wait
+                with self.tracer.span(f"link {link}", "wait", link=link, bytes=nbytes):
+                    await asyncio.sleep(wait)
 
     def _preflight(self, offload_dir: Path, parts_units: list, ckpt_units: list) -> None:
         """Before any file is made: does the SSD tier fit on the offload_dir's disk?"""

@@ -24,6 +24,12 @@ async def _train(tmp_path, name: str, link: float | None) -> tuple[float, dict, 
         seconds = time.perf_counter() - t0
         traffic = dict(trainer.engine.traffic.last())
         state = await trainer.state_dict()
+        waits = [sp for sp in trainer.trace.spans if sp.actor.startswith("link ")]
+    if link is not None:  # the trace shows where the link made the run wait
+        assert {sp.actor for sp in waits} >= {"link cpu->gpu"}
+        assert sum(sp.end_s - sp.start_s for sp in waits) > 0.5
+    else:
+        assert not waits
     return seconds, traffic, state
 
 
