@@ -44,7 +44,7 @@ async def test_capped_link_takes_bytes_over_cap_and_changes_no_number(tmp_path):
     assert capped_traffic == free_traffic
     # 2 iterations; the bucket's burst (1/20 s of the rate) lets a little through at once
     assert capped_s >= 2 * 0.4 * 0.8, (capped_s, free_s)
-    assert capped_s > free_s + 0.4
+    assert capped_s > free_s
     for k in free_state:
         assert torch.equal(free_state[k], capped_state[k]), k
 
