@@ -106,13 +106,23 @@ class SnakeTrainer:
         self._check_usable()
         if self._running:
             raise SnakeError("state_dict: a run() of this trainer is in progress; await it first")
-        model = self.parts.model
         if self.engine is None:
-            return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in model.state_dict().items()}
+            with ThreadPoolExecutor(1, initializer=helper_thread_init(self.device)) as once:
+                return await run_blocking(once, self._initial_state_dict)
         e = self.engine
         ex = e.executors["io"]
         await run_blocking(ex, flush_delayed, e)
-        masters = await run_blocking(ex, e.master_weights)
+        # assembled off the event loop: large copies on its thread would give it an OpenMP
+        # team that slows a CPU device's kernels for the rest of the run
+        return await run_blocking(ex, self._assemble_state_dict, e)
+
+    def _initial_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = self.parts.model.state_dict()
+        return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in sd.items()}
+
+    def _assemble_state_dict(self, e: Engine) -> dict[str, torch.Tensor]:
+        model = self.parts.model
+        masters = e.master_weights()
         resident = e.kernels.resident_state()
         canonical: dict[int, str] = {}
         alias: dict[str, str] = {}
@@ -198,21 +208,18 @@ class SnakeTrainer:
         if cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None:
             cfg = await self._plan(first)
         assert cfg.micro_batches is not None
-        ins, _tgs, _ = split_batch(
-            first, micro_batches=cfg.micro_batches, device=torch.device("cpu"),
-            expect_shape=None, vocab_size=self._vocab_size(),
-        )
-        model = self.parts.model
-        with torch.no_grad():
-            mdev = next(model.parameters()).device
-            h = self.parts.pre(model, ins[0].to(mdev))
+        # The first micro-batch's embedding (for the checkpoint shape) runs on the data
+        # thread: a torch op on the event loop thread would give it an OpenMP team that stays
+        # alive for the whole run and, on a CPU device, slows every compute kernel (see
+        # snake.device.helper_thread_init).
+        h_shape = await run_blocking(self._data_ex, self._ckpt_shape, first, cfg.micro_batches)
         self._lock = DirLock(self.offload_dir)
         self.config = cfg
         data_ex = self._data_ex
         engine = await run_blocking(
             data_ex,
             lambda: Engine(
-                self.parts, cfg, self.device, ckpt_shape=h.shape, input_shape=first[0].shape,
+                self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=first[0].shape,
                 offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex,
             ),
         )
@@ -223,6 +230,16 @@ class SnakeTrainer:
             engine.N, engine.P, cfg.micro_batches, cfg.alpha, cfg.placement, cfg.schedule,
             self.device, engine.offload_bytes() / 2**20, self.offload_dir,
         )
+
+    def _ckpt_shape(self, first: Any, micro_batches: int) -> torch.Size:
+        ins, _tgs, _ = split_batch(
+            first, micro_batches=micro_batches, device=torch.device("cpu"),
+            expect_shape=None, vocab_size=self._vocab_size(),
+        )
+        model = self.parts.model
+        with torch.no_grad():
+            mdev = next(model.parameters()).device
+            return self.parts.pre(model, ins[0].to(mdev)).shape
 
     async def _plan(self, first: Any) -> SnakeConfig:
         try:

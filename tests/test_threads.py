@@ -38,3 +38,44 @@ async def test_cpu_device_helper_threads_use_one_intraop_thread(tmp_path, two_th
     # the caller's thread and threads made later keep torch's count
     assert torch.get_num_threads() == two_threads
     assert _new_thread_count() == two_threads
+
+
+def _omp_workers() -> set[int]:
+    """OS threads of this process that Python did not start (OpenMP workers, mostly)."""
+    import os
+
+    python_ids = {t.native_id for t in threading.enumerate()}
+    return {int(t) for t in os.listdir("/proc/self/task")} - python_ids
+
+
+def test_event_loop_thread_runs_no_parallel_torch_op(tmp_path, two_threads):
+    """A parallel torch op on the event loop's thread would give it an OpenMP team that lives as
+    long as the thread; on a CPU device that team makes the compute kernels' OpenMP workers
+    stop spinning and every kernel slower. The loop runs on a fresh thread here, so the team
+    would be new and still alive after the trainer closed its own threads."""
+    import asyncio
+    import time
+
+    before = _omp_workers()
+    leftover: list[set[int]] = []
+
+    async def train() -> None:
+        # 8 x 32 x 256 floats per micro-batch: the embedding is large enough to run in parallel
+        cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement.all_cpu(),
+                          alpha=0.0, device="cpu")
+        async with SnakeTrainer(tiny_gpt(n_layer=2, n_embd=256), data=batches(2, 16, seq=32), config=cfg) as t:
+            await t.state_dict()  # before the first run and after it
+            await t.run(2)
+            await t.state_dict()
+
+    def loop_then_look() -> None:
+        asyncio.run(train())
+        deadline = time.monotonic() + 5  # still on the loop's thread: its team would be alive
+        while _omp_workers() - before and time.monotonic() < deadline:
+            time.sleep(0.05)  # the compute thread's workers leave with it
+        leftover.append(_omp_workers() - before)
+
+    loop_thread = threading.Thread(target=loop_then_look)
+    loop_thread.start()
+    loop_thread.join()
+    assert leftover == [set()]
