@@ -49,7 +49,7 @@ def _omp_workers() -> set[int]:
 
 
 def test_event_loop_thread_runs_no_parallel_torch_op(tmp_path, two_threads):
-    """A parallel torch op on the event loop's thread would give it an OpenMP team that lives as
+    """Training, state_dict, save and load. A parallel torch op on the event loop's thread would give it an OpenMP team that lives as
     long as the thread; on a CPU device that team makes the compute kernels' OpenMP workers
     stop spinning and every kernel slower. The loop runs on a fresh thread here, so the team
     would be new and still alive after the trainer closed its own threads."""
@@ -63,10 +63,17 @@ def test_event_loop_thread_runs_no_parallel_torch_op(tmp_path, two_threads):
         # 8 x 32 x 256 floats per micro-batch: the embedding is large enough to run in parallel
         cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement.all_cpu(),
                           alpha=0.0, device="cpu")
-        async with SnakeTrainer(tiny_gpt(n_layer=2, n_embd=256), data=batches(2, 16, seq=32), config=cfg) as t:
+        data = batches(3, 16, seq=32)
+        async with SnakeTrainer(tiny_gpt(n_layer=2, n_embd=256), data=data, config=cfg) as t:
             await t.state_dict()  # before the first run and after it
             await t.run(2)
             await t.state_dict()
+            await t.save(tmp_path / "ck")
+        again = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path / "again"), placement=Placement.all_cpu(),
+                            alpha=0.0, device="cpu")
+        async with SnakeTrainer(tiny_gpt(n_layer=2, n_embd=256), data=data, config=again) as t:
+            await t.load(tmp_path / "ck")
+            await t.run(1)
 
     def loop_then_look() -> None:
         asyncio.run(train())
