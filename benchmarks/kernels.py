@@ -239,11 +239,14 @@ def main() -> None:
         "torch_ckpt_over_sequential_kernels": med["torch_ckpt"] / med["sequential_kernels"],
         "torch_ckpt_over_runtime": med["torch_ckpt"] / med["runtime"],
     }
-    ab = helper_threads_ab(args)
-    result["helper_threads_ab"] = ab
     print(f"iteration s (median of {args.rounds}): sequential kernels {med['sequential_kernels']:.3f}, "
           f"runtime {med['runtime']:.3f}, torch+ckpt {med['torch_ckpt']:.3f}; torch/sequential "
           f"{result['torch_ckpt_over_sequential_kernels']:.2f}, torch/runtime {result['torch_ckpt_over_runtime']:.2f}")
+    if args.ab_rounds < 1:  # part 3 skipped
+        print(save(args.name, result))
+        return
+    ab = helper_threads_ab(args)
+    result["helper_threads_ab"] = ab
     print(f"helper threads, fresh processes (median of {args.ab_rounds}): one intra-op thread "
           f"{ab['median']['limited']['seconds']:.3f} s/it ({ab['median']['limited']['cpu_per_wall']:.2f} cores busy), "
           f"torch's count {ab['median']['unlimited']['seconds']:.3f} s/it "
