@@ -191,7 +191,7 @@ def torch_loop(
     return {
         "schedule": "torch+ckpt" if activation_checkpointing else "torch", "micro_batches": micro_batches,
         "step_seconds": step_s, "iteration_seconds": stats(step_s[1:]),
-        "fwd_bwd_seconds": stats(fb_s[1:]), "optimizer_seconds": stats(opt_s[1:]),
+        "fwd_bwd_seconds": stats(fb_s[1:]), "fwd_bwd_step_seconds": fb_s, "optimizer_seconds": stats(opt_s[1:]),
         "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,
         "tflops": model_flops_per_token(cfg, seq) * tokens / it / 1e12, "losses": losses,
     }

@@ -25,6 +25,7 @@ the same SSD cap. Writes benchmarks/results/throughput.json and throughput.png.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from common import (  # type: ignore[import-not-found]
@@ -105,6 +106,30 @@ def rooflines(result: dict, io_bytes_at) -> dict[str, list[dict]]:
     return roof
 
 
+def pooled_roofline(result: dict, roof_capped: list[dict]) -> list[dict]:
+    """Capped vertical over min(compute, I/O roofline) from every round of the pair (the
+    sweep's run and the repeats): medians of all timed steps of vertical and of PyTorch+ckpt's
+    forward+backward; also each round's own ratio."""
+    runs, rep = result["runs"], result["roof_repeats"]
+    out = []
+    for i, rr in enumerate(roof_capped):
+        vs = [runs["vertical_capped"][i], *rep["vertical_capped"][i]]
+        ts = [runs["torch+ckpt"][i], *rep["torch+ckpt"][i]]
+        tok = vs[0]["tokens_per_iteration"]
+        v_steps = [x for r in vs for x in r["step_seconds"][1:]]
+        t_steps = [x for r in ts for x in r.get("fwd_bwd_step_seconds", [None])[1:]]
+        if not t_steps:  # a result from before per-step times were kept
+            t_steps = [r["fwd_bwd_seconds"]["median"] for r in ts]
+        compute = tok / statistics.median(t_steps)
+        per_round = [v["tokens_per_s"] / min(tok / t["fwd_bwd_seconds"]["median"], rr["io_roofline"])
+                     for v, t in zip(vs, ts, strict=True)]
+        vertical = tok / statistics.median(v_steps)
+        out.append({"M": rr["M"], "rounds": len(vs), "vertical": vertical, "compute_roofline_torch_ckpt": compute,
+                    "io_roofline": rr["io_roofline"], "roofline": min(compute, rr["io_roofline"]),
+                    "ratio": vertical / min(compute, rr["io_roofline"]), "ratio_per_round": per_round})
+    return out
+
+
 def analyze(result: dict) -> None:
     """Rooflines and the issue's ratios, from the runs (so they can be recomputed).
 
@@ -150,6 +175,8 @@ def analyze(result: dict) -> None:
                     max(t for m, t in v if m <= 16) / max(t for m, t in h if m <= 16)),
                 "vertical_vs_roofline": vs_roof, "vertical_over_horizontal_per_M": spread,
             }
+    if "vertical_capped" in runs and "roof_repeats" in result:
+        summary["capped"]["vertical_vs_roofline_pooled"] = pooled_roofline(result, roof["capped"])
     summary["vertical_uncapped_over_torch_ckpt"] = [] if "vertical_uncapped" not in runs else [
         {"M": rv["micro_batches"], "vertical_uncapped": rv["tokens_per_s"], "torch_ckpt": rt["tokens_per_s"],
          "ratio": rv["tokens_per_s"] / rt["tokens_per_s"],
@@ -173,6 +200,9 @@ def main() -> None:
     ap.add_argument("--link-mb", type=float, default=None,
                     help="cap host<->device transfers at this many MB/s per direction for both schedules "
                          "(SnakeConfig.device_link_bytes_per_s: emulates a PCIe link on the CPU device)")
+    ap.add_argument("--roof-rounds", type=int, default=3,
+                    help="capped vertical / PyTorch+ckpt pairs per M for the roofline ratio: the main "
+                         "sweep's, then (rounds - 1) more, back to back, the order alternating")
     ap.add_argument("--name", default="throughput", help="results file name (benchmarks/results/NAME.json)")
     ap.add_argument("--ms", default="1,2,4,8,16,32",
                     help="micro-batches per iteration to sweep (the issue's 1..16, plus 32 to see "
@@ -263,7 +293,27 @@ def main() -> None:
             runs.setdefault(r["schedule"], []).append(r)
             print(f"M={m:2d} {r['schedule']:10s} {'':8s} {r['tokens_per_s']:8.1f} tok/s", flush=True)
 
+    # The roofline ratio compares two runs a minute apart in the sweep, on a machine whose speed
+    # drifts by up to ~20 % over minutes: measure the pair again, back to back, first one side
+    # first, then the other, and pool the timed steps of all rounds.
+    repeats: dict[str, list[list[dict]]] = {"vertical_capped": [[] for _ in ms], "torch+ckpt": [[] for _ in ms]}
+    if "capped" in caps:
+        for rnd in range(1, 1 if args.quick else args.roof_rounds):
+            for i, m in enumerate(ms):
+                common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps)
+                pj = plans["capped"]["vertical"][i]
+                order = ("torch+ckpt", "vertical_capped") if rnd % 2 else ("vertical_capped", "torch+ckpt")
+                for side in order:
+                    if side == "torch+ckpt":
+                        r = torch_run(cfg, activation_checkpointing=True, **common)
+                    else:
+                        r = snake_run(cfg, placement=Placement(**pj["placement"]), alpha=pj["alpha"], schedule="vertical",
+                                      cap=CAP, cpu_memory_bytes=budget, link=link, **common)
+                    repeats[side][i].append(r)
+                    print(f"roofline round {rnd} M={m:2d} {side:16s} {r['tokens_per_s']:7.1f} tok/s", flush=True)
+
     result = {
+        "roof_repeats": repeats,
         "machine": machine(), "model": {"n_layer": L, "n_embd": C, "seq": T, "micro_batch_size": MB,
                                           "block_params": cfg.block_params(),
                                           "params": cfg.num_params(),
@@ -301,6 +351,11 @@ def print_summary(result: dict) -> None:
                   f"v {s.get('M_to_90pct_vertical_upto16')} h {s.get('M_to_90pct_horizontal_upto16')}), "
                   "vertical / roofline "
                   + " ".join(f"{x['ratio']:.2f}" for x in s["vertical_vs_roofline"]))
+            if s.get("vertical_vs_roofline_pooled"):
+                print(f"{k}: vertical / roofline, all rounds pooled "
+                      + " ".join(f"{x['ratio']:.2f}" for x in s["vertical_vs_roofline_pooled"])
+                      + "; per round " + " ".join("/".join(f"{y:.2f}" for y in x["ratio_per_round"])
+                                                  for x in s["vertical_vs_roofline_pooled"]))
 
 
 def finish(name: str, result: dict) -> None:

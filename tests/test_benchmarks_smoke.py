@@ -33,3 +33,27 @@ def test_helpers():
     assert throughput.first_at([(1, 10.0), (2, 95.0), (4, 100.0)], 0.9) == 2
     cfg = common.gpt_config(2, 64, 16)
     assert common.model_flops_per_token(cfg, 16) > 6 * 2 * cfg.block_params()
+
+
+def test_pooled_roofline_pools_all_rounds():
+    throughput = importlib.import_module("throughput")
+
+    def vert(steps):
+        return {"tokens_per_iteration": 100, "step_seconds": [9.0, *steps], "tokens_per_s": 100 / sorted(steps)[len(steps) // 2]}
+
+    def torch_ckpt(steps):
+        return {"fwd_bwd_step_seconds": [9.0, *steps], "fwd_bwd_seconds": {"median": sorted(steps)[len(steps) // 2]}}
+
+    result = {
+        "runs": {"vertical_capped": [vert([1.0, 1.0, 1.0])], "torch+ckpt": [torch_ckpt([0.5, 0.5, 0.5])]},
+        "roof_repeats": {"vertical_capped": [[vert([1.2, 1.2, 1.2]), vert([1.1, 1.1, 1.1])]],
+                         "torch+ckpt": [[torch_ckpt([1.0, 1.0, 1.0]), torch_ckpt([1.0, 1.0, 1.0])]]},
+    }
+    # compute-bound: the pooled medians (vertical 1.1 s, PyTorch 1.0 s), not the first round's 0.5
+    [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 1000.0}])
+    assert row["rounds"] == 3
+    assert abs(row["ratio"] - 1.0 / 1.1) < 1e-9
+    assert [round(x, 3) for x in row["ratio_per_round"]] == [0.5, round(1 / 1.2, 3), round(1 / 1.1, 3)]
+    # I/O-bound: the I/O roofline caps the bound
+    [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 50.0}])
+    assert abs(row["ratio"] - (100 / 1.1) / 50.0) < 1e-9
