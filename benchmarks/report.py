@@ -64,6 +64,14 @@ def throughput() -> None:
                 print(f"| {rv['micro_batches']} | {rv['tflops']:.4f} | {rh['tflops']:.4f} | {rv['traffic']['ssd_bytes'] / 1e6:.0f} | "
                       f"{rh['traffic']['ssd_bytes'] / 1e6:.0f} | {lv.get('cpu->gpu', 0) / 1e6:.0f} | {lh.get('cpu->gpu', 0) / 1e6:.0f} | "
                       f"{lv.get('gpu->cpu', 0) / 1e6:.0f} | {lh.get('gpu->cpu', 0) / 1e6:.0f} |")
+    pooled = d["summary"].get("capped", {}).get("vertical_vs_roofline_pooled")
+    if pooled:
+        print(f"\ncapped: vertical / min(roofs), {pooled[0]['rounds']} back-to-back pairs per M, timed steps pooled\n")
+        print("| M | vertical tok/s | compute roof (torch+ckpt fwd/bwd) | I/O roof | vertical / min(roofs) | per pair |")
+        print("|---|---|---|---|---|---|")
+        for x in pooled:
+            print(f"| {x['M']} | {x['vertical']:.0f} | {x['compute_roofline_torch_ckpt']:.0f} | {x['io_roofline']:.0f} | "
+                  f"{x['ratio']:.2f} | {' / '.join(f'{y:.2f}' for y in x['ratio_per_round'])} |")
     print("\nsummary:", json.dumps({k: v for k, v in d["summary"].items()}, indent=1))
 
 
