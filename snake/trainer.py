@@ -107,7 +107,7 @@ class SnakeTrainer:
         if self._running:
             raise SnakeError("state_dict: a run() of this trainer is in progress; await it first")
         if self.engine is None:
-            with ThreadPoolExecutor(1, initializer=helper_thread_init(self.device)) as once:
+            with ThreadPoolExecutor(1, "snake-state", initializer=helper_thread_init(self.device)) as once:
                 return await run_blocking(once, self._initial_state_dict)
         e = self.engine
         ex = e.executors["io"]
