@@ -113,7 +113,7 @@ def _window(steps: list[dict]) -> float | None:
 
 def _trace(argv: list[str]) -> int:
     from snake.timeline import plot_timeline
-    from snake.trace import load_spans, summarize
+    from snake.trace import load_event_loop, load_spans, summarize
 
     p = argparse.ArgumentParser(prog="snake trace")
     sub = p.add_subparsers(dest="what", required=True)
@@ -127,14 +127,15 @@ def _trace(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         spans = load_spans(args.trace)
-    except (OSError, ValueError, KeyError) as e:
+        loop = load_event_loop(args.trace)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"snake trace: cannot read {args.trace}: {e}", file=sys.stderr)
         return 2
     if args.what == "plot":
         plot_timeline(spans, args.out, window_s=args.last)
         print(f"wrote {args.out}")
         return 0
-    summary = summarize(spans)
+    summary = summarize(spans, event_loop=loop)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -142,6 +143,9 @@ def _trace(argv: list[str]) -> int:
     print(f"{'actor':<16}{'busy s':>10}{'busy %':>9}")
     for actor, v in summary["actors"].items():
         print(f"{actor:<16}{v['busy_s']:>10.3f}{100 * v['busy_fraction']:>8.1f}%")
+    if loop is not None:
+        print(f"event loop CPU: {loop['cpu_s']:.3f} s in {loop['run_wall_s']:.3f} s of run() "
+              f"({100 * loop['cpu_fraction']:.1f}% of one core)")
     print(f"{'link':<12}{'MiB':>10}{'MiB/s busy':>12}{'MiB/s avg':>11}")
     for link, v in summary["links"].items():
         print(

@@ -119,11 +119,8 @@ async def run_iterations(
     for a in actors:
         a.fault_hook = engine.fault_hook
     try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_guarded(a), name=a.name) for a in actors]
-            timeout = engine.config.stall_timeout_s
-            if timeout is not None:
-                tg.create_task(_watchdog(engine, actors, mailboxes, tasks, timeout), name="watchdog")
+        with engine.tracer.loop_clock():
+            await _run_actors(engine, actors, mailboxes)
     except BaseExceptionGroup as eg:
         failures = [x for x in eg.exceptions if isinstance(x, ActorFailed)]
         if not failures:
@@ -138,3 +135,11 @@ async def run_iterations(
     engine.next_t = iterations.stop
     engine.traffic.finish(iterations.stop - 1)
     return reports
+
+
+async def _run_actors(engine: Engine, actors: list[Actor], mailboxes: list[Mailbox]) -> None:
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(_guarded(a), name=a.name) for a in actors]
+        timeout = engine.config.stall_timeout_s
+        if timeout is not None:
+            tg.create_task(_watchdog(engine, actors, mailboxes, tasks, timeout), name="watchdog")

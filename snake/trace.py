@@ -38,6 +38,27 @@ class Tracer:
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._tracks: dict[str, int] = {}
         self.last_end_s = 0.0  # when the last span ended: progress, for the stall watchdog
+        # the event loop's own CPU (its thread's clock) and wall time over run() calls
+        self.loop_cpu_s = 0.0
+        self.loop_wall_s = 0.0
+
+    @contextmanager
+    def loop_clock(self) -> Iterator[None]:
+        """Around a run on the event loop's thread: adds that thread's CPU time and the wall
+        time. The loop is the scheduler every actor message goes through; its CPU share says
+        whether it keeps up (everything else on the same loop is counted too)."""
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.loop_cpu_s += time.thread_time() - cpu0
+            self.loop_wall_s += time.perf_counter() - wall0
+
+    def event_loop(self) -> dict[str, float] | None:
+        if self.loop_wall_s <= 0:
+            return None
+        return {"cpu_s": self.loop_cpu_s, "run_wall_s": self.loop_wall_s,
+                "cpu_fraction": self.loop_cpu_s / self.loop_wall_s}
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -79,18 +100,30 @@ class Tracer:
                     "args": s.args,
                 }
             )
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        out: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+        loop = self.event_loop()
+        if loop is not None:
+            out["otherData"] = {"snake_event_loop": loop}
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.chrome()))
 
     def summary(self) -> dict[str, Any]:
-        return summarize(list(self.spans))
+        return summarize(list(self.spans), event_loop=self.event_loop())
 
 
-def summarize(spans: list[Span]) -> dict[str, Any]:
+def summarize(spans: list[Span], *, event_loop: dict[str, float] | None = None) -> dict[str, Any]:
     """Busy fraction per actor over the traced wall time, and bytes and bandwidth per link
-    (`src->dst`: while busy, and averaged over the wall time)."""
+    (`src->dst`: while busy, and averaged over the wall time); with `event_loop`, the event
+    loop thread's CPU over the runs (`Tracer.loop_clock`)."""
+    out = _summarize_spans(spans)
+    if event_loop is not None:
+        out["event_loop"] = dict(event_loop)
+    return out
+
+
+def _summarize_spans(spans: list[Span]) -> dict[str, Any]:
     if not spans:
         return {"wall_s": 0.0, "actors": {}, "links": {}}
     t0 = min(s.start_s for s in spans)
@@ -115,6 +148,13 @@ def summarize(spans: list[Span]) -> dict[str, Any]:
             for k, v in sorted(links.items())
         },
     }
+
+
+def load_event_loop(path: str | Path) -> dict[str, float] | None:
+    """The event loop's CPU record of a trace written by `Tracer.save`, if it has one."""
+    data = json.loads(Path(path).read_text())
+    loop = data.get("otherData", {}).get("snake_event_loop")
+    return {k: float(v) for k, v in loop.items()} if isinstance(loop, dict) else None
 
 
 def load_spans(path: str | Path) -> list[Span]:

@@ -22,6 +22,8 @@ def test_train_three_steps_then_trace_tools(tmp_path, capsys):
     assert main(["trace", "summarize", str(out / "trace.json")]) == 0
     text = capsys.readouterr().out
     assert "compute" in text and "ssd->cpu" in text
+    assert "event loop CPU:" in text and "of one core" in text
+    assert 0 < report["trace_summary"]["event_loop"]["cpu_s"] <= report["trace_summary"]["event_loop"]["run_wall_s"]
     assert main(["trace", "plot", str(out / "trace.json"), "-o", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 1000
 
