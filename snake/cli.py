@@ -113,7 +113,7 @@ def _window(steps: list[dict]) -> float | None:
 
 def _trace(argv: list[str]) -> int:
     from snake.timeline import plot_timeline
-    from snake.trace import load_event_loop, load_spans, summarize
+    from snake.trace import load_trace, summarize
 
     p = argparse.ArgumentParser(prog="snake trace")
     sub = p.add_subparsers(dest="what", required=True)
@@ -126,8 +126,7 @@ def _trace(argv: list[str]) -> int:
     pl.add_argument("--last", type=float, default=None, help="only the last SECONDS of the trace")
     args = p.parse_args(argv)
     try:
-        spans = load_spans(args.trace)
-        loop = load_event_loop(args.trace)
+        spans, loop = load_trace(args.trace)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"snake trace: cannot read {args.trace}: {e}", file=sys.stderr)
         return 2

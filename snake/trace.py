@@ -150,21 +150,15 @@ def _summarize_spans(spans: list[Span]) -> dict[str, Any]:
     }
 
 
-def load_event_loop(path: str | Path) -> dict[str, float] | None:
-    """The event loop's CPU record of a trace written by `Tracer.save`, if it has one."""
-    data = json.loads(Path(path).read_text())
-    loop = data.get("otherData", {}).get("snake_event_loop")
-    return {k: float(v) for k, v in loop.items()} if isinstance(loop, dict) else None
-
-
-def load_spans(path: str | Path) -> list[Span]:
-    """Read a trace written by `Tracer.save` back into spans."""
+def load_trace(path: str | Path) -> tuple[list[Span], dict[str, float] | None]:
+    """A trace written by `Tracer.save`, read once: its spans, and the event loop's CPU record
+    if it has one."""
     data = json.loads(Path(path).read_text())
     names = {}
     for e in data["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             names[e["tid"]] = e["args"]["name"]
-    return [
+    spans = [
         Span(
             names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
             e.get("args", {}).get("link"), int(e.get("args", {}).get("bytes", 0)),
@@ -172,6 +166,8 @@ def load_spans(path: str | Path) -> list[Span]:
         for e in data["traceEvents"]
         if e.get("ph") == "X"
     ]
+    loop = data.get("otherData", {}).get("snake_event_loop")
+    return spans, ({k: float(v) for k, v in loop.items()} if isinstance(loop, dict) else None)
 
 
 class Traffic:
