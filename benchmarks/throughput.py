@@ -117,7 +117,7 @@ def pooled_roofline(result: dict, roof_capped: list[dict]) -> list[dict]:
         ts = [runs["torch+ckpt"][i], *rep["torch+ckpt"][i]]
         tok = vs[0]["tokens_per_iteration"]
         v_steps = [x for r in vs for x in r["step_seconds"][1:]]
-        t_steps = [x for r in ts for x in r.get("fwd_bwd_step_seconds", [None])[1:]]
+        t_steps = [x for r in ts for x in r.get("fwd_bwd_step_seconds", [])[1:]]
         if not t_steps:  # a result from before per-step times were kept
             t_steps = [r["fwd_bwd_seconds"]["median"] for r in ts]
         compute = tok / statistics.median(t_steps)
