@@ -200,7 +200,7 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
     """The trainer's hook: resolve trainer.config's None fields for the first global batch
     `first = (inputs, targets)`. Measures on a thread of its own (seconds, once per machine
     and shape; cached in offload_dir). Raises ConfigError when nothing fits."""
-    from snake.blocking import run_blocking
+    from snake.blocking import name_native_thread, run_blocking
     from snake.models.gpt import GPT
 
     config: SnakeConfig = trainer.config
@@ -211,7 +211,7 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
             "set micro_batches, placement and alpha explicitly",
         )
     b, t = int(first[0].shape[0]), int(first[0].shape[1])
-    with ThreadPoolExecutor(1, thread_name_prefix="snake-planner") as ex:
+    with ThreadPoolExecutor(1, thread_name_prefix="snake-planner", initializer=name_native_thread) as ex:
         plan = await run_blocking(
             ex, lambda: plan_for_batch(model.config, config, b, t, str(trainer.device))
         )

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
+from functools import cache
 from typing import Any, TypeVar
 
 R = TypeVar("R")
@@ -36,3 +40,25 @@ async def settle(fut: asyncio.Future[Any]) -> None:
             continue
     if not fut.cancelled():
         fut.exception()
+
+
+_PR_SET_NAME = 15  # prctl option (linux/prctl.h): the calling thread's name, 15 bytes + NUL
+
+
+@cache
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def name_native_thread() -> None:
+    """Give the calling thread's OS name its Python name ("snake-io_0", cut to 15 bytes), so
+    that `top -H`, `ps -L`, py-spy and perf tell snake's threads apart (Python 3.11 leaves
+    every thread named after the process). An executor initializer; a no-op off Linux."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(threading.current_thread().name.encode()[:15]), 0, 0, 0)

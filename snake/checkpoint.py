@@ -45,7 +45,7 @@ from safetensors.torch import save as st_save
 
 from snake.actors.optimizer import flush_delayed
 from snake.adapters import ModelParts, block_param_names, resident_named_params
-from snake.blocking import run_blocking
+from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import alloc_host
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
@@ -145,7 +145,7 @@ async def load_checkpoint(
 async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool) -> None:
     consumed = int(manifest["consumed_batches"])
     if skip_data and consumed:
-        with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint") as ex:
+        with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint", initializer=name_native_thread) as ex:
             try:
                 for _ in range(consumed):
                     await trainer.source.next(ex)
@@ -167,7 +167,7 @@ async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any]
 async def _blocking(e: Engine | None, fn: Callable[[], R]) -> R:
     if e is not None:
         return await run_blocking(e.executors["io"], fn)
-    with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint") as ex:
+    with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint", initializer=name_native_thread) as ex:
         return await run_blocking(ex, fn)
 
 

@@ -9,6 +9,7 @@ from functools import cache
 import torch
 from threadpoolctl import threadpool_limits
 
+from snake.blocking import name_native_thread
 from snake.errors import ConfigError
 
 
@@ -51,9 +52,9 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def helper_thread_init(device: torch.device) -> Callable[[], None] | None:
+def helper_thread_init(device: torch.device) -> Callable[[], None]:
     """The initializer for snake's threads other than the compute thread (copies, I/O,
-    optimizer, data), or None.
+    optimizer, data). Each one names its OS thread (`snake.blocking.name_native_thread`).
 
     On a CPU device the compute thread's kernels are the device: they keep torch's intra-op
     threads, and every other snake thread runs its torch ops on one thread. Otherwise each
@@ -62,13 +63,14 @@ def helper_thread_init(device: torch.device) -> Callable[[], None] | None:
     at 0.65-0.75x of their speed alone on 2 cores (BENCHMARKS.md section 0). Only the
     calling thread's OpenMP setting changes: the caller's, torch's default for new threads
     and BLAS pools stay as they were. On CUDA the kernels run on the GPU and the CPU
-    optimizer wants every core: nothing changes."""
+    optimizer wants every core: the OpenMP count stays."""
     if device.type != "cpu":
-        return None
+        return name_native_thread
     return _one_intraop_thread
 
 
 def _one_intraop_thread() -> None:
+    name_native_thread()
     torch.get_num_threads()  # torch sets each thread's OpenMP count on first use: do that first
     threadpool_limits(1, user_api="openmp")  # this thread's count only (an OpenMP per-thread setting)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from snake.adapters import ModelParts
+from snake.blocking import name_native_thread
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
 from snake.config import Placement, SnakeConfig
@@ -93,7 +94,7 @@ class Engine:
         self._make_grads()
         init = helper_thread_init(device)  # on a CPU device: one intra-op thread outside compute
         self.executors = {
-            "compute": ThreadPoolExecutor(1, thread_name_prefix="snake-compute"),
+            "compute": ThreadPoolExecutor(1, thread_name_prefix="snake-compute", initializer=name_native_thread),
             "copy": ThreadPoolExecutor(1, thread_name_prefix="snake-copy", initializer=init),
             "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io", initializer=init),
             "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer", initializer=init),

@@ -1,6 +1,7 @@
 """On a CPU device only the compute thread runs torch ops on several intra-op threads; every
 other snake thread uses one, and nothing outside snake's threads changes."""
 
+import sys
 import threading
 
 import pytest
@@ -86,3 +87,35 @@ def test_event_loop_thread_runs_no_parallel_torch_op(tmp_path, two_threads):
     loop_thread.start()
     loop_thread.join()
     assert leftover == [set()]
+
+
+def _os_names() -> dict[int, str]:
+    import os
+
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = open(f"/proc/self/task/{tid}/comm").read().strip()
+        except FileNotFoundError:  # the thread exited meanwhile
+            pass
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read from /proc (Linux)")
+@pytest.mark.asyncio
+async def test_snake_threads_carry_their_names_in_the_os(tmp_path):
+    """top -H, py-spy and perf show OS thread names: each snake thread has its own."""
+    cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.0, device="cpu", optimizer_workers=2)
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(3, 4), config=cfg) as trainer:
+        await trainer.run(1)
+        ex = trainer.engine.executors
+        seen = {name: ex[name].submit(threading.get_native_id).result() for name in ex}
+        names = _os_names()
+    assert {k: names[tid] for k, tid in seen.items()} == {
+        "compute": "snake-compute_0", "copy": "snake-copy_0", "io": names[seen["io"]], "optimizer": names[seen["optimizer"]],
+        "data": "snake-data_0",
+    }
+    assert names[seen["io"]].startswith("snake-io_")
+    assert names[seen["optimizer"]] == "snake-optimizer"  # "snake-optimizer_N" cut to 15 bytes
+    assert names[threading.get_native_id()] != "snake-compute_0"  # the caller's thread keeps its name
