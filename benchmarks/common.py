@@ -2,6 +2,14 @@
 
 Every run uses a fresh model (same seed) and a fresh offload directory; the first step of
 each run is a warm-up and is discarded from every timing.
+
+No parallel torch op runs on the main thread (the event loop's) of a benchmark: a thread
+that ran one keeps an idle OpenMP team for as long as it lives, and with one more team in
+the process libgomp treats the cores as oversubscribed and stops spinning between parallel
+regions, which slows every kernel of the run measured next, snake's and PyTorch's alike (the
+PyTorch + checkpointing loop at 8 x 512, M = 16: 2.47 s per iteration next to such a team
+vs 1.86 s without, BENCHMARKS.md section 6). Models, data and profiles are built on a fresh
+thread that exits (`on_worker`); PyTorch runs on one too.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
@@ -29,6 +39,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 from snake import Placement, SnakeConfig, SnakeTrainer  # noqa: E402
 from snake.models import GPT, GPTConfig  # noqa: E402
 
+T = TypeVar("T")
 RESULTS = ROOT / "benchmarks" / "results"
 # offload dirs: on the real disk (O_DIRECT works there; /tmp may be tmpfs elsewhere)
 SCRATCH = Path(os.environ.get("SNAKE_BENCH_DIR", ROOT / "benchmarks" / ".scratch"))
@@ -100,8 +111,8 @@ async def snake_run_async(
 ) -> dict[str, Any]:
     """One trainer, `steps` iterations; step 0 is discarded. `probe`: an async callable
     started next to run() (for loop-lag measurements); its result goes in out['probe']."""
-    model = make_model(cfg, seed)
-    data = make_batches(cfg, micro_batches * micro_batch_size, seq, steps)
+    model, data = on_worker(lambda: (make_model(cfg, seed),
+                                     make_batches(cfg, micro_batches * micro_batch_size, seq, steps)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(
             micro_batches=micro_batches, offload_dir=d, placement=placement, alpha=alpha,
@@ -144,14 +155,16 @@ def snake_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
     return asyncio.run(snake_run_async(cfg, **kw))
 
 
-def torch_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
-    """`torch_loop` on one worker thread, as snake's compute actor runs its kernels (on this
-    loaded 2-core machine, torch ops issued from the main thread with 2 OpenMP threads ran
-    2-10x slower than the same ops from a worker thread: see BENCHMARKS.md)."""
-    from concurrent.futures import ThreadPoolExecutor
+def on_worker(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on a fresh thread that exits before the next measurement (see
+    the module doc)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-worker") as ex:
+        return ex.submit(fn, *args, **kwargs).result()
 
-    with ThreadPoolExecutor(1, thread_name_prefix="torch-baseline") as ex:
-        return ex.submit(torch_loop, cfg, **kw).result()
+
+def torch_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
+    """`torch_loop` on a fresh worker thread, as snake's compute actor runs its kernels."""
+    return on_worker(lambda: torch_loop(cfg, **kw))
 
 
 def torch_loop(

@@ -23,6 +23,7 @@ from common import (  # type: ignore[import-not-found]
     figure,
     gpt_config,
     machine,
+    on_worker,
     save,
     snake_run,
 )
@@ -51,8 +52,8 @@ def main() -> None:
     cfg = gpt_config(L, C, T)
     t_start = time.perf_counter()
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    prof = measure_profile(cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
-                           ssd_bandwidth_bytes_per_s=CAP, cache=False)
+    prof = on_worker(measure_profile, cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
+                     ssd_bandwidth_bytes_per_s=CAP, cache=False)
 
     rows = []
     for m in ms:

@@ -32,10 +32,18 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
-from common import SCRATCH, gpt_config, machine, make_batches, make_model, save, torch_loop
+from common import (
+    SCRATCH,
+    gpt_config,
+    machine,
+    make_batches,
+    make_model,
+    on_worker,
+    save,
+    torch_loop,
+)
 from torch.utils.checkpoint import checkpoint
 
 import snake.engine
@@ -43,8 +51,6 @@ import snake.trainer
 from snake import Placement, SnakeConfig, SnakeTrainer
 from snake.adapters import describe
 from snake.kernels import Kernels
-
-T = TypeVar("T")
 
 
 def per_block(cfg, seq: int, mbs: int, rounds: int) -> dict[str, float]:
@@ -117,10 +123,10 @@ def sequential_iteration(cfg, m: int, mbs: int, seq: int) -> Callable[[], None]:
 
 
 async def runtime_iteration(cfg, m: int, mbs: int, seq: int, steps: int) -> float:
-    data = make_batches(cfg, m * mbs, seq, steps)
+    model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m * mbs, seq, steps)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0, device="cpu")
-        async with SnakeTrainer(make_model(cfg), data=data, config=conf) as t:
+        async with SnakeTrainer(model, data=data, config=conf) as t:
             rep = await t.run(steps)
     return statistics.median(s.seconds for s in rep.steps[1:])
 
@@ -136,16 +142,6 @@ def _unlimited_helpers() -> Iterator[None]:
         snake.engine.helper_thread_init, snake.trainer.helper_thread_init = saved
 
 
-def on_worker(fn: Callable[[], T]) -> T:
-    """fn on a fresh worker thread, as the compute actor runs its kernels. The thread exits
-    before the next measurement: a live thread that ran torch ops keeps an idle OpenMP team,
-    and with one more team in the process libgomp treats the cores as oversubscribed and
-    stops spinning between parallel regions (part 3 measures it: with one more live
-    thread that ran a torch op, 1.5 instead of 2.0 cores busy)"""
-    with ThreadPoolExecutor(1, thread_name_prefix="bench-kernels") as ex:
-        return ex.submit(fn).result()
-
-
 def child(args) -> None:  # type: ignore[no-untyped-def]
     """One fresh process: the runtime alone (as `snake train` runs it); prints a JSON line."""
     cfg = gpt_config(4, 512, args.seq)
@@ -155,11 +151,11 @@ def child(args) -> None:  # type: ignore[no-untyped-def]
         return r.ru_utime + r.ru_stime
 
     async def go() -> dict[str, float]:
-        data = make_batches(cfg, args.m * args.mbs, args.seq, 13)
+        model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, args.m * args.mbs, args.seq, 13)))
         with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
             conf = SnakeConfig(micro_batches=args.m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0,
                                device="cpu")
-            async with SnakeTrainer(make_model(cfg), data=data, config=conf) as t:
+            async with SnakeTrainer(model, data=data, config=conf) as t:
                 await t.run(3)
                 c0, w0 = cpu(), time.perf_counter()
                 rep = await t.run(10)

@@ -27,6 +27,7 @@ from common import (  # type: ignore[import-not-found]
     figure,
     gpt_config,
     machine,
+    on_worker,
     save,
     snake_run,
 )
@@ -62,17 +63,17 @@ def main() -> None:
     out: dict = {}
     for name, kw in settings.items():
         base = SnakeConfig(micro_batches=None, placement=None, alpha=None, offload_dir=pdir, device="cpu", **kw)
-        plan = plan_for_batch(cfg, base, B, T, "cpu")
+        plan = on_worker(plan_for_batch, cfg, base, B, T, "cpu")
         assert not isinstance(plan, Infeasible), plan
         mb0 = max(B // n for n in range(1, B + 1) if B % n == 0 and B // n <= MEASURE_MICRO_BATCH)
-        prof = profile_for_config(cfg, base, mb0, T, "cpu")  # cached: the profile plan used
+        prof = on_worker(profile_for_config, cfg, base, mb0, T, "cpu")  # cached: the profile plan used
         rows = []
         ns = [plan.n_micro] + ([] if args.quick else [n for n in (1, 2, 4, 8) if n != plan.n_micro])
         for n in ns:
             # measured profiles are cached in pdir: planning at a fixed n measures (once) that
             # micro-batch size too, as the trainer's planning path does
-            p = plan if n == plan.n_micro else plan_for_batch(
-                cfg, dataclasses.replace(base, micro_batches=n), B, T, "cpu")
+            p = plan if n == plan.n_micro else on_worker(
+                plan_for_batch, cfg, dataclasses.replace(base, micro_batches=n), B, T, "cpu")
             if isinstance(p, Infeasible):
                 rows.append({"n": n, "infeasible": p.message})
                 continue

@@ -35,6 +35,7 @@ from common import (  # type: ignore[import-not-found]
     gpt_config,
     machine,
     model_flops_per_token,
+    on_worker,
     save,
     snake_run,
     torch_run,
@@ -241,8 +242,8 @@ def main() -> None:
     caps: dict[str, float | None] = {"capped": CAP} if args.capped_only else {"capped": CAP, "uncapped": None}
     profiles = {}
     for label, cap in caps.items():
-        profiles[label] = measure_profile(
-            cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
+        profiles[label] = on_worker(
+            measure_profile, cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
             ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=(64 if args.quick else 192) << 20,
         )
     opt_bytes = L * cfg.block_params() * OPT_BYTES_PER_ELEM

@@ -18,7 +18,8 @@ def _bench_path(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity", "budget_tradeoff"]
+    "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity",
+             "budget_tradeoff", "contention"]
 )
 def test_imports(name):
     sys.modules.pop(name, None)
@@ -57,3 +58,61 @@ def test_pooled_roofline_pools_all_rounds():
     # I/O-bound: the I/O roofline caps the bound
     [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 50.0}])
     assert abs(row["ratio"] - (100 / 1.1) / 50.0) < 1e-9
+
+
+def _openmp_workers() -> set[int]:
+    import os
+    import threading
+
+    return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_on_worker_leaves_no_openmp_team_on_the_calling_thread():
+    """A parallel torch op leaves an idle OpenMP team on its thread; with one more team in the
+    process every kernel measured next runs slower. on_worker's thread takes it away."""
+    import threading
+    import time
+
+    import torch
+
+    common = importlib.import_module("common")
+    a = torch.randn(1024, 1024)
+    seen: dict[str, int] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # new threads run 2 (so a team has one worker on any machine)
+
+    def settled(before: set[int]) -> int:
+        """New OpenMP workers, once the exited thread's workers had time to leave (they
+        leave on their own after their thread exits)."""
+        deadline = time.monotonic() + 5
+        while len(_openmp_workers() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(_openmp_workers() - before)
+
+    def caller() -> None:  # a fresh thread stands for a benchmark's main thread
+        before = _openmp_workers()
+        common.on_worker(lambda: a @ a)
+        seen["on_worker"] = settled(before)
+        a @ a  # the same op on the calling thread: its team stays while the thread lives
+        seen["direct"] = settled(before)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join()
+    torch.set_num_threads(threads)
+    assert seen == {"on_worker": 0, "direct": 1}
+
+
+def test_benchmarks_measure_profiles_off_the_main_thread():
+    """Profiling runs parallel torch ops: the scripts must hand it to common.on_worker, never
+    call it on the main thread (whose event loop runs snake next)."""
+    import ast
+
+    heavy = {"measure_profile", "plan_for_batch", "profile_for_config"}
+    direct = []
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in heavy:
+                direct.append(f"{path.name}:{node.lineno} {node.func.id}")
+    assert direct == []

@@ -1,0 +1,218 @@
+"""What snake's own threads cost the compute kernels when the "device" is the CPU.
+
+    python benchmarks/contention.py        # ~6 min on 2 cores
+
+On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
+the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
+run on the same cores. Part 1 measures what a given amount of other CPU work costs the
+plain PyTorch + checkpointing loop: a side thread takes a set share of one core (either
+holding the GIL or not) while the loop trains; slowdown per share of a core. Part 2 reads
+each of snake's threads' CPU time (`/proc/self/task/<tid>/schedstat`, threads told apart by
+their names) while the runtime trains at the compute-bound point of throughput.py (8 x 512,
+M = 16, the planned placement under the same 345 MiB budget and 300 MB/s SSD cap) and with
+everything in CPU memory, next to the PyTorch + checkpointing loop in alternating pairs, and
+compares the measured ratio with the one part 1's slope predicts from the helpers' share.
+Writes benchmarks/results/contention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+
+from common import (  # type: ignore[import-not-found]
+    SCRATCH,
+    gpt_config,
+    machine,
+    make_batches,
+    make_model,
+    on_worker,
+    save,
+    torch_loop,
+)
+
+from planner import Infeasible, measure_profile, search
+from planner.integrate import with_budgets
+from snake import Placement, SnakeConfig, SnakeTrainer
+
+CAP = 300e6
+BUDGET_MIB = 345  # throughput.py's budget
+_CHUNK = b"x" * 16384
+
+
+def burner(kind: str, share: float, stop: threading.Event, cpu: list[float]) -> None:
+    """Busy for 250 us, then asleep, so that it takes `share` of one core; "gil": a Python
+    loop (holds the GIL), "nogil": sha256 of 16 KiB chunks (releases it). Records its CPU."""
+    busy = 250e-6
+    c0 = time.thread_time()
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < busy:
+            if kind == "nogil":
+                hashlib.sha256(_CHUNK).digest()
+        time.sleep(busy * (1 - share) / share)
+    cpu.append(time.thread_time() - c0)
+
+
+def torch_with_burner(cfg, kind: str, share: float, m: int, steps: int) -> dict:
+    stop, cpu = threading.Event(), []
+    side = threading.Thread(target=burner, args=(kind, share, stop, cpu)) if share > 0 else None
+    if side:
+        side.start()
+    t0 = time.perf_counter()
+    r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=1, seq=32, steps=steps,
+                                     activation_checkpointing=True))
+    wall = time.perf_counter() - t0
+    stop.set()
+    if side:
+        side.join()
+    return {"seconds": r["iteration_seconds"]["median"], "side_share_measured": cpu[0] / wall if cpu else 0.0}
+
+
+def part1(rounds: int) -> dict:
+    cfg = gpt_config(4, 512, 32)
+    variants = [("none", 0.0), ("nogil", 0.1), ("gil", 0.1), ("nogil", 0.2), ("gil", 0.2)]
+    rows: dict[str, list[dict]] = {f"{k}_{s}": [] for k, s in variants}
+    for rnd in range(rounds):
+        for kind, share in (variants if rnd % 2 == 0 else variants[::-1]):
+            rows[f"{kind}_{share}"].append(torch_with_burner(cfg, kind, share, 8, 5))
+        print("part 1 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
+    base = statistics.median(r["seconds"] for r in rows["none_0.0"])
+    out = {}
+    for key, rs in rows.items():
+        sec = statistics.median(r["seconds"] for r in rs)
+        share = statistics.median(r["side_share_measured"] for r in rs)
+        out[key] = {"seconds": sec, "slowdown": sec / base, "side_share_measured": share,
+                    "slowdown_per_share": (sec / base - 1) / share if share > 0 else None}
+    slopes = [v["slowdown_per_share"] for v in out.values() if v["slowdown_per_share"] is not None]
+    return {"model": "GPT 4 x 512, 8 micro-batches of 1 x 32 tokens, PyTorch + checkpointing",
+            "rows": rows, "summary": out, "slope_median": statistics.median(slopes)}
+
+
+def _names() -> dict[str, str]:
+    return {str(t.native_id): t.name for t in threading.enumerate()}
+
+
+def _group(name: str) -> str:
+    if name == threading.main_thread().name:
+        return "event loop"
+    return name.rsplit("_", 1)[0] if name.startswith("snake-") else name
+
+
+def thread_cpu() -> dict[str, tuple[str, float, float]]:
+    """tid -> (group, seconds on a CPU, seconds waiting for one) from schedstat."""
+    names, out = _names(), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns, wait_ns, _ = f.read().split()
+        except (FileNotFoundError, ValueError):
+            continue
+        out[tid] = (_group(names.get(tid, "openmp worker (compute team)")), int(run_ns) / 1e9, int(wait_ns) / 1e9)
+    return out
+
+
+def cpu_delta(a: dict, b: dict, wall: float) -> dict[str, dict[str, float]]:
+    agg: dict[str, dict[str, float]] = defaultdict(lambda: {"cores": 0.0, "runqueue_wait": 0.0})
+    for tid, (group, run, wait) in b.items():
+        _, run0, wait0 = a.get(tid, (group, 0.0, 0.0))
+        agg[group]["cores"] += (run - run0) / wall
+        agg[group]["runqueue_wait"] += (wait - wait0) / wall
+    return dict(agg)
+
+
+async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: float | None,
+                         budget: int | None, steps: int) -> dict:
+    model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m, 32, steps + 1)))
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+        conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=placement, alpha=alpha, schedule="vertical",
+                           device="cpu", ssd_bandwidth_bytes_per_s=cap, cpu_memory_bytes=budget)
+        async with SnakeTrainer(model, data=data, config=conf) as t:
+            await t.run(1)  # warm-up
+            a, w0 = thread_cpu(), time.perf_counter()
+            rep = await t.run(steps)
+            wall = time.perf_counter() - w0
+            b = thread_cpu()
+    return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall)}
+
+
+def part2(pairs: int, slope: float) -> dict:
+    cfg = gpt_config(8, 512, 32)
+    m = 16
+    budget = BUDGET_MIB * 2**20
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    prof = on_worker(measure_profile, cfg, micro_batch_size=1, seq_len=32, device="cpu", offload_dir=SCRATCH,
+                     ssd_bandwidth_bytes_per_s=CAP, cache=False, io_bytes=192 << 20)
+    plan = search(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)),
+                  schedule="vertical", n_micro=m)
+    if isinstance(plan, Infeasible):
+        raise SystemExit(plan.message)
+    settings = {
+        "capped_planned": (plan.placement, plan.alpha, CAP, budget),
+        "all_cpu": (Placement.all_cpu(), 0.0, None, None),
+    }
+    rows: dict[str, list[dict]] = {k: [] for k in (*settings, "torch_ckpt")}
+    for rnd in range(pairs):
+        order = list(rows) if rnd % 2 == 0 else list(rows)[::-1]
+        for key in order:
+            if key == "torch_ckpt":
+                r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=1, seq=32, steps=4,
+                                                 activation_checkpointing=True))
+                rows[key].append({"seconds": r["iteration_seconds"]["median"]})
+            else:
+                placement, alpha, cap, bud = settings[key]
+                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3)))
+        print("part 2 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
+    out: dict = {"model": "GPT 8 x 512, 16 micro-batches of 1 x 32 tokens", "plan": {
+        "placement": {k: getattr(plan.placement, k) for k in ("param", "ckpt", "opt")}, "alpha": plan.alpha},
+        "rows": rows, "summary": {}}
+    for key in settings:
+        ratios = [t["seconds"] / s["seconds"] for s, t in zip(rows[key], rows["torch_ckpt"], strict=True)]
+        groups = sorted({g for r in rows[key] for g in r["threads"]})
+        threads = {g: {f: statistics.median(r["threads"].get(g, {}).get(f, 0.0) for r in rows[key])
+                       for f in ("cores", "runqueue_wait")} for g in groups}
+        helpers = sum(v["cores"] for g, v in threads.items()
+                      if g not in ("snake-compute", "openmp worker (compute team)"))
+        out["summary"][key] = {
+            "torch_over_snake_per_pair": ratios, "torch_over_snake_median": statistics.median(ratios),
+            "threads": threads, "helper_cores": helpers,
+            "predicted_torch_over_snake": 1 / (1 + slope * helpers),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of part 1")
+    ap.add_argument("--pairs", type=int, default=4, help="alternating rounds of part 2")
+    ap.add_argument("--slope", type=float, default=None, help="skip part 1, use this slope")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    p1 = part1(args.rounds) if args.slope is None else {"summary": {}, "slope_median": args.slope}
+    for k, v in p1["summary"].items():
+        print(f"{k:10s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f}  side thread "
+              f"{v['side_share_measured']:.3f} of a core", flush=True)
+    print(f"slowdown per share of one core taken (median): {p1['slope_median']:.2f}", flush=True)
+    p2 = part2(args.pairs, p1["slope_median"])
+    for key, v in p2["summary"].items():
+        print(f"{key}: PyTorch+ckpt / snake {v['torch_over_snake_median']:.2f} (per pair "
+              f"{', '.join(f'{x:.2f}' for x in v['torch_over_snake_per_pair'])}); snake's threads other than "
+              f"compute {v['helper_cores']:.3f} of a core -> predicted {v['predicted_torch_over_snake']:.2f}")
+        for g, c in sorted(v["threads"].items(), key=lambda kv: -kv[1]["cores"]):
+            print(f"    {g:32s} {c['cores']:.3f} cores, run-queue wait {c['runqueue_wait']:.3f}")
+    result = {"machine": machine(), "part1": p1, "part2": p2, "seconds_total": time.perf_counter() - t0}
+    print(save("contention", result))
+
+
+if __name__ == "__main__":
+    if not sys.platform.startswith("linux"):
+        raise SystemExit("contention.py reads /proc/self/task (Linux)")
+    main()
