@@ -1,6 +1,6 @@
 """What snake's own threads cost the compute kernels when the "device" is the CPU.
 
-    python benchmarks/contention.py        # ~6 min on 2 cores
+    python benchmarks/contention.py        # ~3 min on 2 cores
 
 On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
 the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
@@ -137,11 +137,13 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
                            device="cpu", ssd_bandwidth_bytes_per_s=cap, cpu_memory_bytes=budget)
         async with SnakeTrainer(model, data=data, config=conf) as t:
             await t.run(1)  # warm-up
-            a, w0 = thread_cpu(), time.perf_counter()
+            a, w0, s0 = thread_cpu(), time.perf_counter(), t.trace.now()
             rep = await t.run(steps)
             wall = time.perf_counter() - w0
             b = thread_cpu()
-    return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall)}
+            kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
+    return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall),
+            "compute_busy_s_per_iteration": kernels / steps}
 
 
 def part2(pairs: int, slope: float) -> dict:
@@ -166,7 +168,8 @@ def part2(pairs: int, slope: float) -> dict:
             if key == "torch_ckpt":
                 r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=1, seq=32, steps=4,
                                                  activation_checkpointing=True))
-                rows[key].append({"seconds": r["iteration_seconds"]["median"]})
+                rows[key].append({"seconds": r["iteration_seconds"]["median"],
+                                  "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"]})
             else:
                 placement, alpha, cap, bud = settings[key]
                 rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3)))
@@ -181,8 +184,13 @@ def part2(pairs: int, slope: float) -> dict:
                        for f in ("cores", "runqueue_wait")} for g in groups}
         helpers = sum(v["cores"] for g, v in threads.items()
                       if g not in ("snake-compute", "openmp worker (compute team)"))
+        kernels = [t["fwd_bwd_seconds"] / s["compute_busy_s_per_iteration"]
+                   for s, t in zip(rows[key], rows["torch_ckpt"], strict=True)]
         out["summary"][key] = {
             "torch_over_snake_per_pair": ratios, "torch_over_snake_median": statistics.median(ratios),
+            "torch_fwd_bwd_over_snake_compute_busy": statistics.median(kernels),
+            "snake_compute_busy_fraction": statistics.median(
+                r["compute_busy_s_per_iteration"] / r["seconds"] for r in rows[key]),
             "threads": threads, "helper_cores": helpers,
             "predicted_torch_over_snake": 1 / (1 + slope * helpers),
         }
@@ -205,7 +213,9 @@ def main() -> None:
     for key, v in p2["summary"].items():
         print(f"{key}: PyTorch+ckpt / snake {v['torch_over_snake_median']:.2f} (per pair "
               f"{', '.join(f'{x:.2f}' for x in v['torch_over_snake_per_pair'])}); snake's threads other than "
-              f"compute {v['helper_cores']:.3f} of a core -> predicted {v['predicted_torch_over_snake']:.2f}")
+              f"compute {v['helper_cores']:.3f} of a core -> predicted {v['predicted_torch_over_snake']:.2f}; "
+              f"compute busy {v['snake_compute_busy_fraction']:.2f} of the iteration, PyTorch fwd+bwd / snake's "
+              f"compute busy time {v['torch_fwd_bwd_over_snake_compute_busy']:.2f}")
         for g, c in sorted(v["threads"].items(), key=lambda kv: -kv[1]["cores"]):
             print(f"    {g:32s} {c['cores']:.3f} cores, run-queue wait {c['runqueue_wait']:.3f}")
     result = {"machine": machine(), "part1": p1, "part2": p2, "seconds_total": time.perf_counter() - t0}
