@@ -95,7 +95,8 @@ def _os_names() -> dict[int, str]:
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            out[int(tid)] = open(f"/proc/self/task/{tid}/comm").read().strip()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[int(tid)] = f.read().strip()
         except FileNotFoundError:  # the thread exited meanwhile
             pass
     return out
