@@ -8,7 +8,7 @@ that ran one keeps an idle OpenMP team for as long as it lives, and with one mor
 the process libgomp treats the cores as oversubscribed and stops spinning between parallel
 regions, which slows every kernel of the run measured next, snake's and PyTorch's alike (the
 PyTorch + checkpointing loop at 8 x 512, M = 16: 2.47 s per iteration next to such a team
-vs 1.86 s without, BENCHMARKS.md section 6). Models, data and profiles are built on a fresh
+vs 1.86 s without, top of BENCHMARKS.md). Models, data and profiles are built on a fresh
 thread that exits (`on_worker`); PyTorch runs on one too.
 """
 

@@ -67,7 +67,6 @@ def _openmp_workers() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 def test_on_worker_leaves_no_openmp_team_on_the_calling_thread():
     """A parallel torch op leaves an idle OpenMP team on its thread; with one more team in the
     process every kernel measured next runs slower. on_worker's thread takes it away."""

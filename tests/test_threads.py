@@ -1,7 +1,6 @@
 """On a CPU device only the compute thread runs torch ops on several intra-op threads; every
 other snake thread uses one, and nothing outside snake's threads changes."""
 
-import sys
 import threading
 
 import pytest
@@ -102,7 +101,6 @@ def _os_names() -> dict[int, str]:
     return out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read from /proc (Linux)")
 @pytest.mark.asyncio
 async def test_snake_threads_carry_their_names_in_the_os(tmp_path):
     """top -H, py-spy and perf show OS thread names: each snake thread has its own."""
