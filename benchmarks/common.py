@@ -7,8 +7,8 @@ No parallel torch op runs on the main thread (the event loop's) of a benchmark: 
 that ran one keeps an idle OpenMP team for as long as it lives, and with one more team in
 the process libgomp treats the cores as oversubscribed and stops spinning between parallel
 regions, which slows every kernel of the run measured next, snake's and PyTorch's alike (the
-PyTorch + checkpointing loop at 8 x 512, M = 16: 2.47 s per iteration next to such a team
-vs 1.86 s without, top of BENCHMARKS.md). Models, data and profiles are built on a fresh
+PyTorch + checkpointing loop at 8 x 512, M = 16: 2.24 s per iteration next to such a team
+vs 1.64 s without, top of BENCHMARKS.md). Models, data and profiles are built on a fresh
 thread that exits (`on_worker`); PyTorch runs on one too.
 """
 
