@@ -126,7 +126,7 @@ def _trace(argv: list[str]) -> int:
     pl.add_argument("--last", type=float, default=None, help="only the last SECONDS of the trace")
     args = p.parse_args(argv)
     try:
-        spans, loop = load_trace(args.trace)
+        spans, records = load_trace(args.trace)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"snake trace: cannot read {args.trace}: {e}", file=sys.stderr)
         return 2
@@ -134,7 +134,7 @@ def _trace(argv: list[str]) -> int:
         plot_timeline(spans, args.out, window_s=args.last)
         print(f"wrote {args.out}")
         return 0
-    summary = summarize(spans, event_loop=loop)
+    summary = summarize(spans, **records)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -142,9 +142,14 @@ def _trace(argv: list[str]) -> int:
     print(f"{'actor':<16}{'busy s':>10}{'busy %':>9}")
     for actor, v in summary["actors"].items():
         print(f"{actor:<16}{v['busy_s']:>10.3f}{100 * v['busy_fraction']:>8.1f}%")
+    loop = summary.get("event_loop")
     if loop is not None:
         print(f"event loop CPU: {loop['cpu_s']:.3f} s in {loop['run_wall_s']:.3f} s of run() "
               f"({100 * loop['cpu_fraction']:.1f}% of one core)")
+    if "threads" in summary:
+        print(f"{'threads (over run())':<24}{'CPU s':>9}{'cores':>7}{'run-queue wait':>16}")
+        for group, v in summary["threads"].items():
+            print(f"{group:<24}{v['cpu_s']:>9.3f}{v['cpu_fraction']:>7.2f}{100 * v['runqueue_fraction']:>15.1f}%")
     print(f"{'link':<12}{'MiB':>10}{'MiB/s busy':>12}{'MiB/s avg':>11}")
     for link, v in summary["links"].items():
         print(

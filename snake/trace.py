@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
@@ -41,24 +43,42 @@ class Tracer:
         # the event loop's own CPU (its thread's clock) and wall time over run() calls
         self.loop_cpu_s = 0.0
         self.loop_wall_s = 0.0
+        # per thread group: [seconds on a CPU, seconds runnable but waiting for one] over run()
+        self._threads: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
     @contextmanager
     def loop_clock(self) -> Iterator[None]:
         """Around a run on the event loop's thread: adds that thread's CPU time and the wall
         time. The loop is the scheduler every actor message goes through; its CPU share says
-        whether it keeps up (everything else on the same loop is counted too)."""
-        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        whether it keeps up (everything else on the same loop is counted too). Where the OS
+        tells (Linux), also each thread's CPU and run-queue time (`thread_times`)."""
+        cpu0, wall0, threads0 = time.thread_time(), time.perf_counter(), thread_times()
         try:
             yield
         finally:
             self.loop_cpu_s += time.thread_time() - cpu0
             self.loop_wall_s += time.perf_counter() - wall0
+            for group, run_s, wait_s in _thread_deltas(threads0, thread_times()):
+                acc = self._threads[group]
+                acc[0] += run_s
+                acc[1] += wait_s
 
     def event_loop(self) -> dict[str, float] | None:
         if self.loop_wall_s <= 0:
             return None
         return {"cpu_s": self.loop_cpu_s, "run_wall_s": self.loop_wall_s,
                 "cpu_fraction": self.loop_cpu_s / self.loop_wall_s}
+
+    def threads(self) -> dict[str, dict[str, float]] | None:
+        """Per thread group over run(): CPU seconds, seconds waiting on the run queue (ready
+        but no core free), and both as fractions of run()'s wall time. On a CPU device the
+        kernels' own team ("snake-compute" and its "native" OpenMP workers) shares the cores
+        with every other group; a group's CPU there is time the kernels do not get."""
+        if self.loop_wall_s <= 0 or not self._threads:
+            return None
+        w = self.loop_wall_s
+        return {g: {"cpu_s": c, "runqueue_wait_s": q, "cpu_fraction": c / w, "runqueue_fraction": q / w}
+                for g, (c, q) in sorted(self._threads.items(), key=lambda kv: -kv[1][0])}
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -101,26 +121,76 @@ class Tracer:
                 }
             )
         out: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
-        loop = self.event_loop()
-        if loop is not None:
-            out["otherData"] = {"snake_event_loop": loop}
+        other = {k: v for k, v in (("snake_event_loop", self.event_loop()), ("snake_threads", self.threads()))
+                 if v is not None}
+        if other:
+            out["otherData"] = other
         return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.chrome()))
 
     def summary(self) -> dict[str, Any]:
-        return summarize(list(self.spans), event_loop=self.event_loop())
+        return summarize(list(self.spans), event_loop=self.event_loop(), threads=self.threads())
 
 
-def summarize(spans: list[Span], *, event_loop: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    spans: list[Span], *, event_loop: dict[str, float] | None = None,
+    threads: dict[str, dict[str, float]] | None = None,
+) -> dict[str, Any]:
     """Busy fraction per actor over the traced wall time, and bytes and bandwidth per link
     (`src->dst`: while busy, and averaged over the wall time); with `event_loop`, the event
-    loop thread's CPU over the runs (`Tracer.loop_clock`)."""
+    loop thread's CPU over the runs (`Tracer.loop_clock`); with `threads`, each thread
+    group's CPU and run-queue time over them (`Tracer.threads`)."""
     out = _summarize_spans(spans)
     if event_loop is not None:
         out["event_loop"] = dict(event_loop)
+    if threads is not None:
+        out["threads"] = {g: dict(v) for g, v in threads.items()}
     return out
+
+
+def thread_times() -> dict[int, tuple[str, float, float]]:
+    """Each OS thread of this process: (group, seconds on a CPU, seconds runnable but waiting
+    for a CPU), from /proc/self/task/<tid>/schedstat; {} where the OS does not provide it.
+    Call it on the event loop's thread. Groups: "event loop" (the calling thread), a snake
+    thread's name without its index ("snake-io"), "other Python threads", and "native"
+    (threads Python did not start: OpenMP workers, the CUDA driver's)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    me = threading.get_native_id()
+    out = {}
+    for entry in tids:
+        tid = int(entry)
+        try:
+            with open(f"/proc/self/task/{entry}/schedstat") as f:
+                run_ns, wait_ns = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # the thread exited meanwhile, or no schedstat
+        name = names.get(tid)
+        if tid == me:
+            group = "event loop"
+        elif name is None:
+            group = "native"
+        elif name.startswith("snake-"):
+            group = name.rsplit("_", 1)[0]
+        else:
+            group = "other Python threads"
+        out[tid] = (group, int(run_ns) / 1e9, int(wait_ns) / 1e9)
+    return out
+
+
+def _thread_deltas(
+    before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]
+) -> Iterator[tuple[str, float, float]]:
+    """(group, CPU s, run-queue s) of each thread alive at the end, since the start (or since
+    it began). A thread that ended in between is not counted."""
+    for tid, (group, run_s, wait_s) in after.items():
+        _, run0, wait0 = before.get(tid, (group, 0.0, 0.0))
+        yield group, run_s - run0, wait_s - wait0
 
 
 def _summarize_spans(spans: list[Span]) -> dict[str, Any]:
@@ -150,9 +220,9 @@ def _summarize_spans(spans: list[Span]) -> dict[str, Any]:
     }
 
 
-def load_trace(path: str | Path) -> tuple[list[Span], dict[str, float] | None]:
-    """A trace written by `Tracer.save`, read once: its spans, and the event loop's CPU record
-    if it has one."""
+def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
+    """A trace written by `Tracer.save`, read once: its spans, and the keyword arguments of
+    `summarize` its records give (`event_loop`, `threads`: those it has)."""
     data = json.loads(Path(path).read_text())
     names = {}
     for e in data["traceEvents"]:
@@ -166,8 +236,15 @@ def load_trace(path: str | Path) -> tuple[list[Span], dict[str, float] | None]:
         for e in data["traceEvents"]
         if e.get("ph") == "X"
     ]
-    loop = data.get("otherData", {}).get("snake_event_loop")
-    return spans, ({k: float(v) for k, v in loop.items()} if isinstance(loop, dict) else None)
+    other = data.get("otherData", {})
+    records: dict[str, Any] = {}
+    loop = other.get("snake_event_loop")
+    if isinstance(loop, dict):
+        records["event_loop"] = {k: float(v) for k, v in loop.items()}
+    threads = other.get("snake_threads")
+    if isinstance(threads, dict):
+        records["threads"] = {str(g): {k: float(x) for k, x in v.items()} for g, v in threads.items()}
+    return spans, records
 
 
 class Traffic:

@@ -23,7 +23,12 @@ def test_train_three_steps_then_trace_tools(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "compute" in text and "ssd->cpu" in text
     assert "event loop CPU:" in text and "of one core" in text
+    assert "threads (over run())" in text and "snake-compute" in text
     assert 0 < report["trace_summary"]["event_loop"]["cpu_s"] <= report["trace_summary"]["event_loop"]["run_wall_s"]
+    assert report["trace_summary"]["threads"]["snake-compute"]["cpu_s"] > 0
+    assert main(["trace", "summarize", "--json", str(out / "trace.json")]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["threads"] == report["trace_summary"]["threads"]
     assert main(["trace", "plot", str(out / "trace.json"), "-o", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 1000
 

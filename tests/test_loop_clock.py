@@ -49,3 +49,42 @@ def test_summary_without_runs_has_no_loop_record():
     from snake.trace import Tracer
 
     assert "event_loop" not in Tracer().summary()
+
+
+@pytest.mark.asyncio
+async def test_threads_record_each_groups_cpu_and_run_queue_time(tmp_path):
+    """Per thread group over run(): the event loop's share agrees with its own clock, the
+    compute thread did the work, and a busy thread of the caller's is counted apart."""
+    import hashlib
+    import threading
+
+    cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.0, device="cpu")
+    stop = threading.Event()
+    chunk = b"x" * 65536
+
+    def busy() -> None:  # hashes release the GIL: CPU the training must share the cores with
+        while not stop.is_set():
+            hashlib.sha256(chunk).digest()
+
+    side = threading.Thread(target=busy, name="user-hasher")
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(4, 4), config=cfg) as t:
+        await t.run(1)
+        side.start()
+        try:
+            await t.run(3)
+        finally:
+            stop.set()
+            side.join()
+        summary = t.trace.summary()
+    threads, loop = summary["threads"], summary["event_loop"]
+    assert {"event loop", "snake-compute", "snake-copy", "snake-io", "snake-optimizer", "other Python threads"} <= set(threads)
+    for v in threads.values():
+        assert v["cpu_s"] >= 0 and v["runqueue_wait_s"] >= 0
+        assert v["cpu_fraction"] == pytest.approx(v["cpu_s"] / loop["run_wall_s"])
+    # one thread, two clocks (its CPU-time clock and the scheduler's statistics)
+    assert threads["event loop"]["cpu_s"] == pytest.approx(loop["cpu_s"], rel=0.1, abs=0.01)
+    assert threads["snake-compute"]["cpu_fraction"] <= 1.02  # one thread: at most one core
+    assert threads["snake-compute"]["cpu_s"] > 0.1 * loop["run_wall_s"]
+    # the hashing thread ran for most of the last three runs' wall time
+    assert threads["other Python threads"]["cpu_s"] > 0.2 * loop["run_wall_s"]
