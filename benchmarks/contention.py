@@ -7,8 +7,8 @@ the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU 
 run on the same cores. Part 1 measures what a given amount of other CPU work costs the
 plain PyTorch + checkpointing loop: a side thread takes a set share of one core (either
 holding the GIL or not) while the loop trains; slowdown per share of a core. Part 2 reads
-each of snake's threads' CPU time (`/proc/self/task/<tid>/schedstat`, threads told apart by
-their names) while the runtime trains at the compute-bound point of throughput.py (8 x 512,
+each of snake's thread groups' CPU time (`trainer.trace.threads()`: the scheduler's per-thread
+statistics; "native" is the compute thread's OpenMP workers) while the runtime trains at the compute-bound point of throughput.py (8 x 512,
 M = 16, the planned placement under the same 345 MiB budget and 300 MB/s SSD cap) and with
 everything in CPU memory, next to the PyTorch + checkpointing loop in alternating pairs, and
 compares the measured ratio with the one part 1's slope predicts from the helpers' share.
@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
 
 from common import (  # type: ignore[import-not-found]
     SCRATCH,
@@ -97,36 +95,13 @@ def part1(rounds: int) -> dict:
             "rows": rows, "summary": out, "slope_median": statistics.median(slopes)}
 
 
-def _names() -> dict[str, str]:
-    return {str(t.native_id): t.name for t in threading.enumerate()}
-
-
-def _group(name: str) -> str:
-    if name == threading.main_thread().name:
-        return "event loop"
-    return name.rsplit("_", 1)[0] if name.startswith("snake-") else name
-
-
-def thread_cpu() -> dict[str, tuple[str, float, float]]:
-    """tid -> (group, seconds on a CPU, seconds waiting for one) from schedstat."""
-    names, out = _names(), {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                run_ns, wait_ns, _ = f.read().split()
-        except (FileNotFoundError, ValueError):
-            continue
-        out[tid] = (_group(names.get(tid, "openmp worker (compute team)")), int(run_ns) / 1e9, int(wait_ns) / 1e9)
-    return out
-
-
-def cpu_delta(a: dict, b: dict, wall: float) -> dict[str, dict[str, float]]:
-    agg: dict[str, dict[str, float]] = defaultdict(lambda: {"cores": 0.0, "runqueue_wait": 0.0})
-    for tid, (group, run, wait) in b.items():
-        _, run0, wait0 = a.get(tid, (group, 0.0, 0.0))
-        agg[group]["cores"] += (run - run0) / wall
-        agg[group]["runqueue_wait"] += (wait - wait0) / wall
-    return dict(agg)
+def cpu_delta(a: dict | None, b: dict | None, wall: float) -> dict[str, dict[str, float]]:
+    """Per thread group, cores used and run-queue wait over the timed run: the difference of
+    two `trainer.trace.threads()` records (cumulative over run() calls) over its wall time."""
+    a, b = a or {}, b or {}
+    return {g: {"cores": (v["cpu_s"] - a.get(g, {}).get("cpu_s", 0.0)) / wall,
+                "runqueue_wait": (v["runqueue_wait_s"] - a.get(g, {}).get("runqueue_wait_s", 0.0)) / wall}
+            for g, v in b.items()}
 
 
 async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: float | None,
@@ -137,10 +112,10 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
                            device="cpu", ssd_bandwidth_bytes_per_s=cap, cpu_memory_bytes=budget)
         async with SnakeTrainer(model, data=data, config=conf) as t:
             await t.run(1)  # warm-up
-            a, w0, s0 = thread_cpu(), time.perf_counter(), t.trace.now()
+            a, w0, s0 = t.trace.threads(), time.perf_counter(), t.trace.now()
             rep = await t.run(steps)
             wall = time.perf_counter() - w0
-            b = thread_cpu()
+            b = t.trace.threads()
             kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
     return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall),
             "compute_busy_s_per_iteration": kernels / steps}
@@ -182,8 +157,7 @@ def part2(pairs: int, slope: float) -> dict:
         groups = sorted({g for r in rows[key] for g in r["threads"]})
         threads = {g: {f: statistics.median(r["threads"].get(g, {}).get(f, 0.0) for r in rows[key])
                        for f in ("cores", "runqueue_wait")} for g in groups}
-        helpers = sum(v["cores"] for g, v in threads.items()
-                      if g not in ("snake-compute", "openmp worker (compute team)"))
+        helpers = sum(v["cores"] for g, v in threads.items() if g not in ("snake-compute", "native"))
         kernels = [t["fwd_bwd_seconds"] / s["compute_busy_s_per_iteration"]
                    for s, t in zip(rows[key], rows["torch_ckpt"], strict=True)]
         out["summary"][key] = {
