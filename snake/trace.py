@@ -167,7 +167,7 @@ def thread_times() -> dict[int, tuple[str, float, float]]:
         tid = int(entry)
         try:
             with open(f"/proc/self/task/{entry}/schedstat") as f:
-                run_ns, wait_ns = f.read().split()[:2]
+                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
         except (OSError, ValueError):
             continue  # the thread exited meanwhile, or no schedstat
         name = names.get(tid)
@@ -179,7 +179,7 @@ def thread_times() -> dict[int, tuple[str, float, float]]:
             group = name.rsplit("_", 1)[0]
         else:
             group = "other Python threads"
-        out[tid] = (group, int(run_ns) / 1e9, int(wait_ns) / 1e9)
+        out[tid] = (group, run_ns / 1e9, wait_ns / 1e9)
     return out
 
 
