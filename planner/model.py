@@ -39,7 +39,9 @@ class Bound:
 @dataclass(frozen=True, slots=True)
 class Traffic:
     """Bytes one phase moves for one layer. ssd_read / ssd_write: bytes of each kind that
-    would move if that kind lived entirely on SSD (scaled by 1 - x_k)."""
+    would move if that kind lived entirely on SSD (scaled by 1 - x_k). ssd_ops: how many
+    SSD reads and writes of each kind that takes (a unit is one operation each way: a
+    layer's checkpoints are n small ones, its optimizer states one large one)."""
 
     compute_seconds: float
     adam_elems: float
@@ -47,6 +49,7 @@ class Traffic:
     d2h_bytes: float
     ssd_read: tuple[float, float, float]
     ssd_write: tuple[float, float, float]
+    ssd_ops: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=n * cb,
         ssd_read=(pb, 0.0, a * ob),
         ssd_write=(a * pb, n * cb, a * ob),
+        ssd_ops=(1 + a, n, 2 * a),
     )
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
@@ -134,6 +138,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
         ssd_read=(pb, n * cb, (1 - a) * ob),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob),
+        ssd_ops=(2 - a, n, 2 * (1 - a)),
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 
@@ -151,11 +156,11 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
 
     def fwd(first: bool) -> Traffic:
         s = a if first else 0.0
-        return Traffic(f, s * p, pb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob))
+        return Traffic(f, s * p, pb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob), (1 + s, 1, 2 * s))
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
-        return Traffic(rb, s * p, pb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob))
+        return Traffic(rb, s * p, pb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob), (1 + s, 1, 2 * s))
 
     phases = (
         phase(profile, "fwd_first", 1, fwd(True)),

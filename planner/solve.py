@@ -4,7 +4,11 @@ Variables: x = (param, ckpt, opt) CPU shares in [0, 1] and one time per phase of
 schedule (vertical: t_f, t_b). Rows: host memory (`snake.memory.host_memory`, exactly what
 the runtime allocates) <= the CPU budget, and every resource bound of `planner.model`
 (compute, CPU Adam, host<->device, SSD) per phase. Objective: per-layer time plus a small
-penalty on SSD traffic, so that spare CPU memory still takes traffic off the SSD.
+penalty on SSD traffic, so that spare CPU memory still takes traffic off the SSD; in that
+penalty each SSD operation also counts OP_SECONDS, so that between placements of equal
+time and equal SSD bytes (checkpoints and optimizer states both move two bytes per byte
+kept on SSD) the one with fewer, larger operations wins: the runtime's threads spend a
+fixed CPU cost per operation, which on a CPU device comes out of the kernels' cores.
 Device memory does not depend on x: it is checked before the LP.
 """
 
@@ -22,6 +26,7 @@ from snake.memory import LinearMemory, device_memory, host_memory
 
 GiB = float(1 << 30)
 SSD_PENALTY = 1e-4  # objective weight of SSD seconds relative to iteration seconds
+OP_SECONDS = 2e-4  # SSD seconds one operation counts as in that penalty (BENCHMARKS.md section 7)
 TIGHT = 1e-6  # relative slack under which a row counts as binding
 
 
@@ -124,6 +129,8 @@ def _lp(phases: tuple[Phase, ...], mem: LinearMemory, budget: float, placement) 
     starts, index, value, lower, upper = [0], [], [], [], []
     for j, ph in enumerate(phases):
         cost[nx + j] = ph.count
+        for k in range(nx):  # every share kept in CPU memory is that share of operations less
+            cost[k] -= SSD_PENALTY * ph.count * OP_SECONDS * ph.traffic.ssd_ops[k] / t0
         for b in ph.bounds:
             cols = [nx + j] + [k for k in range(nx) if b.per_share[k] != 0.0]
             vals = [1.0] + [-b.per_share[k] / t0 for k in cols[1:]]

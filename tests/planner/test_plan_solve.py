@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 from conftest import GiB, synthetic_profile
@@ -10,8 +11,10 @@ from conftest import GiB, synthetic_profile
 from planner import Infeasible, Plan, predict, predict_horizontal, search, solve
 from planner.search import ALPHAS, best_alpha
 from snake.config import Placement
-from snake.memory import host_memory
+from planner.profile import MachineProfile
+from snake.memory import ModelShape, host_memory
 
+LP = importlib.import_module("planner.solve")  # the module (the package exports its function)
 RESOURCES = ("compute", "adam", "h2d", "d2h", "ssd")
 
 
@@ -120,6 +123,52 @@ def test_cpu_device_adds_compute_adam_and_copies(schedule):
     a, b = solve(cuda, n_micro=4, alpha=0.2, schedule=schedule), solve(cpu, n_micro=4, alpha=0.2, schedule=schedule)
     assert b.predicted_iteration_seconds > a.predicted_iteration_seconds
     assert any(name.startswith("host_") for name in b.binding)
+
+
+def small_cpu_profile():
+    """benchmarks/throughput.py's capped machine (run H's profile, rounded): GPT 8 x 512 on a
+    CPU device, 64 KiB checkpoints, a 300 MB/s SSD cap, a 345 MiB budget."""
+    shape = ModelShape(n_layers=8, layer_params=3152384, ckpt_elems=16384, resident_params=148480,
+                       tokens_per_micro=32, dtype_bytes=4)
+    return MachineProfile(
+        fwd_seconds=0.00347, recompute_seconds=0.00347, bwd_seconds=0.00766, pre_post_seconds=0.00092,
+        h2d_bytes_per_s=23e9, d2h_bytes_per_s=23e9, ssd_read_bytes_per_s=300e6, ssd_write_bytes_per_s=306e6,
+        adam_elems_per_s=1.92e9, cpu_memory_bytes=345 * 2**20, device_memory_bytes=24 * GiB, shape=shape,
+        device="cpu",
+    )
+
+
+@pytest.mark.parametrize("n", [16, 32])
+def test_equal_time_prefers_fewer_ssd_operations(n, monkeypatch):
+    """Compute-bound on a CPU device, checkpoints and optimizer states cost the same time and
+    the same SSD bytes per byte kept in CPU memory; the plan keeps the checkpoints (2n small
+    operations per layer) in CPU memory and puts optimizer states (one large one) on SSD.
+    Measured there: the runtime's threads other than compute 0.17 -> 0.11 of a core
+    (BENCHMARKS.md section 7)."""
+    p = small_cpu_profile()
+    plan = solve(p, n_micro=n, alpha=0.0)
+    assert isinstance(plan, Plan)
+    assert plan.placement.param == 1.0 and plan.placement.ckpt == 1.0
+    assert 0.0 < plan.placement.opt < 1.0
+    assert any(b.startswith("host_") for b in plan.binding)
+    monkeypatch.setattr(LP, "OP_SECONDS", 0.0)
+    bytes_only = solve(p, n_micro=n, alpha=0.0)
+    assert bytes_only.placement.ckpt < 1.0  # without the operation count: the other vertex
+    assert plan.predicted_iteration_seconds == pytest.approx(bytes_only.predicted_iteration_seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_operation_count_never_costs_time(schedule, n, monkeypatch):
+    """The operation count only breaks ties: predicted time is what the bytes-only LP gives."""
+    for p in (synthetic_profile(), small_cpu_profile(), synthetic_profile(ssd_read_bytes_per_s=3e8)):
+        for alpha in ((0.0, 0.2) if schedule == "vertical" else (0.0,)):
+            with_ops = solve(p, n_micro=n, alpha=alpha, schedule=schedule)
+            with monkeypatch.context() as m:
+                m.setattr(LP, "OP_SECONDS", 0.0)
+                bytes_only = solve(p, n_micro=n, alpha=alpha, schedule=schedule)
+            assert with_ops.predicted_iteration_seconds == pytest.approx(
+                bytes_only.predicted_iteration_seconds, rel=1e-6)
 
 
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
