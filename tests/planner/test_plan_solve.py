@@ -9,9 +9,9 @@ import pytest
 from conftest import GiB, synthetic_profile
 
 from planner import Infeasible, Plan, predict, predict_horizontal, search, solve
+from planner.profile import MachineProfile
 from planner.search import ALPHAS, best_alpha
 from snake.config import Placement
-from planner.profile import MachineProfile
 from snake.memory import ModelShape, host_memory
 
 LP = importlib.import_module("planner.solve")  # the module (the package exports its function)
