@@ -49,7 +49,7 @@ class Traffic:
     d2h_bytes: float
     ssd_read: tuple[float, float, float]
     ssd_write: tuple[float, float, float]
-    ssd_ops: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    ssd_ops: tuple[float, float, float]
 
 
 @dataclass(frozen=True, slots=True)
