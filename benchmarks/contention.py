@@ -40,6 +40,7 @@ from common import (  # type: ignore[import-not-found]
 from planner import Infeasible, measure_profile, search
 from planner.integrate import with_budgets
 from snake import Placement, SnakeConfig, SnakeTrainer
+from snake.engine import Engine
 
 CAP = 300e6
 BUDGET_MIB = 345  # throughput.py's budget
@@ -105,7 +106,8 @@ def cpu_delta(a: dict | None, b: dict | None, wall: float) -> dict[str, dict[str
 
 
 async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: float | None,
-                         budget: int | None, steps: int) -> dict:
+                         budget: int | None, steps: int, inline: bool = True) -> dict:
+    Engine.inline_stores = inline
     model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m, 32, steps + 1)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=placement, alpha=alpha, schedule="vertical",
@@ -117,11 +119,14 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
             wall = time.perf_counter() - w0
             b = t.trace.threads()
             kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
+            ops = sum(1 for s in t.trace.spans if s.start_s >= s0)
+    Engine.inline_stores = True
     return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall),
+            "traced_operations_per_iteration": ops / steps,
             "compute_busy_s_per_iteration": kernels / steps}
 
 
-def part2(pairs: int, slope: float) -> dict:
+def part2(pairs: int, slope: float, ab_inline: bool) -> dict:
     cfg = gpt_config(8, 512, 32)
     m = 16
     budget = BUDGET_MIB * 2**20
@@ -133,9 +138,11 @@ def part2(pairs: int, slope: float) -> dict:
     if isinstance(plan, Infeasible):
         raise SystemExit(plan.message)
     settings = {
-        "capped_planned": (plan.placement, plan.alpha, CAP, budget),
-        "all_cpu": (Placement.all_cpu(), 0.0, None, None),
+        "capped_planned": (plan.placement, plan.alpha, CAP, budget, True),
+        "all_cpu": (Placement.all_cpu(), 0.0, None, None, True),
     }
+    if ab_inline:  # the same, with the compute thread's inline stores off (d2h copies every activation)
+        settings |= {f"{k}_d2h_copies": (*v[:4], False) for k, v in settings.items()}
     rows: dict[str, list[dict]] = {k: [] for k in (*settings, "torch_ckpt")}
     for rnd in range(pairs):
         order = list(rows) if rnd % 2 == 0 else list(rows)[::-1]
@@ -146,8 +153,8 @@ def part2(pairs: int, slope: float) -> dict:
                 rows[key].append({"seconds": r["iteration_seconds"]["median"],
                                   "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"]})
             else:
-                placement, alpha, cap, bud = settings[key]
-                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3)))
+                placement, alpha, cap, bud, inline = settings[key]
+                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, inline)))
         print("part 2 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
     out: dict = {"model": "GPT 8 x 512, 16 micro-batches of 1 x 32 tokens", "plan": {
         "placement": {k: getattr(plan.placement, k) for k in ("param", "ckpt", "opt")}, "alpha": plan.alpha},
@@ -163,6 +170,7 @@ def part2(pairs: int, slope: float) -> dict:
         out["summary"][key] = {
             "torch_over_snake_per_pair": ratios, "torch_over_snake_median": statistics.median(ratios),
             "torch_fwd_bwd_over_snake_compute_busy": statistics.median(kernels),
+            "traced_operations_per_iteration": statistics.median(r["traced_operations_per_iteration"] for r in rows[key]),
             "snake_compute_busy_fraction": statistics.median(
                 r["compute_busy_s_per_iteration"] / r["seconds"] for r in rows[key]),
             "threads": threads, "helper_cores": helpers,
@@ -176,6 +184,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of part 1")
     ap.add_argument("--pairs", type=int, default=4, help="alternating rounds of part 2")
     ap.add_argument("--slope", type=float, default=None, help="skip part 1, use this slope")
+    ap.add_argument("--ab-inline", action="store_true",
+                    help="part 2 also with Engine.inline_stores off (every activation copied by d2h)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     p1 = part1(args.rounds) if args.slope is None else {"summary": {}, "slope_median": args.slope}
@@ -183,11 +193,12 @@ def main() -> None:
         print(f"{k:10s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f}  side thread "
               f"{v['side_share_measured']:.3f} of a core", flush=True)
     print(f"slowdown per share of one core taken (median): {p1['slope_median']:.2f}", flush=True)
-    p2 = part2(args.pairs, p1["slope_median"])
+    p2 = part2(args.pairs, p1["slope_median"], args.ab_inline)
     for key, v in p2["summary"].items():
         print(f"{key}: PyTorch+ckpt / snake {v['torch_over_snake_median']:.2f} (per pair "
               f"{', '.join(f'{x:.2f}' for x in v['torch_over_snake_per_pair'])}); snake's threads other than "
-              f"compute {v['helper_cores']:.3f} of a core -> predicted {v['predicted_torch_over_snake']:.2f}; "
+              f"compute {v['helper_cores']:.3f} of a core, {v['traced_operations_per_iteration']:.0f} traced "
+              f"operations per iteration -> predicted {v['predicted_torch_over_snake']:.2f}; "
               f"compute busy {v['snake_compute_busy_fraction']:.2f} of the iteration, PyTorch fwd+bwd / snake's "
               f"compute busy time {v['torch_fwd_bwd_over_snake_compute_busy']:.2f}")
         for g, c in sorted(v["threads"].items(), key=lambda kv: -kv[1]["cores"]):

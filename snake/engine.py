@@ -29,6 +29,9 @@ from snake.trace import Tracer, Traffic
 
 
 class Engine:
+    # inline_store in use (benchmarks/contention.py turns it off to measure what it saves)
+    inline_stores = True
+
     def __init__(
         self,
         parts: ModelParts,
@@ -128,6 +131,19 @@ class Engine:
                 "free space there, point offload_dir at a bigger disk, or raise the placement "
                 "shares to keep more in CPU memory",
             )
+
+    def inline_store(self, kind: str, layer: int, micro_batch: int) -> torch.Tensor | None:
+        """Where the compute thread writes an activation itself: the flat CPU memory of its
+        store unit, on a CPU device, when the unit lives wholly in CPU memory and transfers
+        are not metered (no `device_link_bytes_per_s`). There the device-to-host "copy" is a
+        memcpy of a few KiB; made on the compute thread right after the kernel, it saves a
+        hop through the copy thread and two trips through the event loop per micro-batch,
+        which on a CPU device take cores from the kernels. None otherwise (d2h copies it)."""
+        if not self.inline_stores or self.device.type != "cpu" or self.links:
+            return None
+        store = self.stores[kind]
+        u = store.unit(self.unit_key(kind, layer, micro_batch))
+        return None if u.tail_n else store.head(u)[0]
 
     @staticmethod
     def unit_key(kind: str, layer: int, micro_batch: int) -> tuple[int, int]:

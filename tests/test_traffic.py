@@ -77,3 +77,40 @@ async def test_vertical_moves_less_than_horizontal(tmp_path):
         return sum(v for (s, d, _), v in t.items() if "gpu" in (s, d))
 
     assert gpu_link(tv) < gpu_link(th) / 2
+
+
+async def _d2h_activation_spans(tmp_path, placement, link=None):
+    """Run 2 vertical steps; (traffic, d2h spans that copied a checkpoint or inter-layer gradient)."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    model = tiny_gpt(n_layer=N, bias=False)
+    cfg = SnakeConfig(device="cpu", micro_batches=M, offload_dir=tmp_path, placement=placement, alpha=0.0,
+                      device_link_bytes_per_s=link)
+    async with SnakeTrainer(model, data=batches(2, 2 * M), config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(2), timeout=120)
+        spans = [s for s in trainer.trace.spans if s.actor == "d2h" and s.name.startswith(("ckpt", "act_grad"))]
+        return trainer.traffic(), spans
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ckpt_share,link,copied_by_d2h", [(1.0, None, False), (0.5, None, True), (1.0, 1e12, True)])
+async def test_cpu_device_writes_cpu_activations_on_the_compute_thread(tmp_path, ckpt_share, link, copied_by_d2h):
+    """On a CPU device the compute job writes activations whose units live wholly in CPU
+    memory into them itself (Engine.inline_store): d2h copies none of them. Units with an SSD
+    tail, and every unit under an emulated link (metered), still go through d2h. The bytes
+    counted are the same either way (parity tests check the bytes themselves)."""
+    traffic, spans = await _d2h_activation_spans(
+        tmp_path, Placement(param=1.0, ckpt=ckpt_share, opt=1.0), link=link)
+    ck = 2 * 16 * tiny_gpt(n_layer=N, bias=False).config.n_embd * 4
+    assert traffic[("gpu", "cpu", "ckpt")] == N * M * ck
+    assert traffic[("gpu", "cpu", "act_grad")] > 0
+    ckpt_spans = [s for s in spans if s.name.startswith("ckpt")]
+    grad_spans = [s for s in spans if s.name.startswith("act_grad")]
+    if copied_by_d2h:
+        assert len(ckpt_spans) == 2 * N * M  # two steps
+    else:
+        assert spans == []
+    # inter-layer gradients always live in CPU memory: d2h copies them only under a link cap
+    assert bool(grad_spans) == (link is not None)

@@ -14,7 +14,9 @@ FIFO) executor at once: the thread goes from one micro-batch to the next without
 for the event loop to hand it the next one (that hop left the compute thread idle ~9 % of
 the time at 32-token micro-batches on a 2-core CPU). Each queued job runs a micro-batch's
 whole chain (pre + block forward for layer 0, block forward + head for the last layer,
-block backward + pre backward for layer 0).
+block backward + pre backward for layer 0). On a CPU device a job also writes its outputs
+whose store units live wholly in CPU memory straight into them (`Engine.inline_store`), and
+the actor marks them written itself: no d2h copy for those.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class _Job:
     fut: asyncio.Future[Any]
     times: list[float]  # start, end on the compute thread (tracer clock)
     buf: torch.Tensor | None = None  # its gradient buffer (horizontal backward)
+    # the job wrote its (first, last) stored output into CPU memory itself (Engine.inline_store)
+    inline: tuple[bool, bool] = (False, False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +160,34 @@ class Compute(Actor):
 
     # -- stages ------------------------------------------------------------------------
     def _fwd_job(
-        self, slot: torch.Tensor, x: torch.Tensor | None, batch: BatchReady, t: int, layer: int, m: int
+        self, slot: torch.Tensor, x: torch.Tensor | None, batch: BatchReady, t: int, layer: int, m: int,
+        sinks: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """Blocking: (layer-0 checkpoint or None, loss share or None, output)."""
+        """Blocking: (layer-0 checkpoint or None, loss share or None, output). Each output
+        with a sink (Engine.inline_store) is also written there."""
         k = self.e.kernels
         first = None
         if layer == 0:
             x = first = k.pre(batch.inputs[m], t, m)
         assert x is not None
         y = k.block_fwd(slot, x, t, layer, m)
+        loss = None
         if layer == self.e.N - 1:
-            loss, gh = k.head(y, batch.targets[m], t, m)
-            return first, loss, gh
-        return first, None, y
+            loss, y = k.head(y, batch.targets[m], t, m)
+        for out, sink in zip((first, y), sinks, strict=True):
+            if sink is not None and out is not None:
+                sink.copy_(out.reshape(-1))
+        return first, loss, y
+
+    async def _stored(self, kind: str, t: int, layer: int, m: int, tensor: torch.Tensor, inline: bool) -> None:
+        """Hand an output to the host tiers: d2h copies it there, or the job already wrote
+        it into CPU memory (inline) and only the bookkeeping is left."""
+        if not inline:
+            await self.d2h.put(ActivationProduced(kind, t, layer, m, tensor))
+            return
+        e = self.e
+        e.traffic.add(t, "gpu", "cpu", kind, e.ckpt_elems * e.stores[kind].esize)
+        await e.ledger.mark((kind, layer, m), t + 1)
 
     async def _forward(
         self,
@@ -185,20 +204,19 @@ class Compute(Actor):
         last = len(stage.micro_batches) - 1
         out_carry: torch.Tensor | None = None
         pending: deque[_Job] = deque()
+        # the last layer's output is the head's gradient into it
+        out_kind, out_layer = ("act_grad", e.N - 1) if layer == e.N - 1 else ("ckpt", layer + 1)
 
         async def done(job: _Job) -> None:
             nonlocal out_carry
             first, loss, out = await self._finish(job, pending, t, layer)
             if first is not None:
-                await self.d2h.put(ActivationProduced("ckpt", t, 0, job.m, first))
+                await self._stored("ckpt", t, 0, job.m, first, job.inline[0])
             if loss is not None:
                 losses.append(loss)
-                kind, out_layer = "act_grad", e.N - 1
-            else:
-                kind, out_layer = "ckpt", layer + 1
             keep = job.j == last and sp.keep_out
-            if kind == "ckpt" or not keep:
-                await self.d2h.put(ActivationProduced(kind, t, out_layer, job.m, out))
+            if out_kind == "ckpt" or not keep:
+                await self._stored(out_kind, t, out_layer, job.m, out, job.inline[1])
             if keep:
                 out_carry = out
 
@@ -213,8 +231,14 @@ class Compute(Actor):
                     x = carry
                 else:
                     x = (await self.inbox.take(("ckpt", g, layer, m))).tensor
-                fn = functools.partial(self._fwd_job, slot, x, batch, t, layer, m)
-                pending.append(await self._start(f"fwd L{layer} mb{m}", j, m, fn))
+                sinks = (
+                    e.inline_store("ckpt", 0, m) if layer == 0 else None,
+                    e.inline_store(out_kind, out_layer, m) if out_kind == "ckpt" or not (j == last and sp.keep_out) else None,
+                )
+                fn = functools.partial(self._fwd_job, slot, x, batch, t, layer, m, sinks)
+                job = await self._start(f"fwd L{layer} mb{m}", j, m, fn)
+                job.inline = (sinks[0] is not None, sinks[1] is not None)
+                pending.append(job)
                 if len(pending) >= WINDOW:
                     await done(pending.popleft())
             while pending:
@@ -226,15 +250,17 @@ class Compute(Actor):
 
     def _bwd_job(
         self, slot: torch.Tensor, x: torch.Tensor, gy: torch.Tensor, buf: torch.Tensor, batch: BatchReady,
-        t: int, layer: int, m: int, accumulate: bool,
+        t: int, layer: int, m: int, accumulate: bool, sink: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Blocking: the gradient into the block's input (None for layer 0, whose pre
-        backward runs here too)."""
+        backward runs here too), also written into `sink` if given (Engine.inline_store)."""
         k = self.e.kernels
         gx = k.block_bwd(slot, x, gy, buf, t=t, layer=layer, m=m, accumulate=accumulate)
         if layer == 0:
             k.pre_bwd(batch.inputs[m], gx, t, m)
             return None
+        if sink is not None:
+            sink.copy_(gx.reshape(-1))
         return gx
 
     async def _backward(
@@ -268,7 +294,7 @@ class Compute(Actor):
             if job.j == last and sp.keep_out:
                 out_carry = gx
             else:
-                await self.d2h.put(ActivationProduced("act_grad", t, layer - 1, job.m, gx))
+                await self._stored("act_grad", t, layer - 1, job.m, gx, job.inline[1])
 
         try:
             for j, m in enumerate(stage.micro_batches):
@@ -280,11 +306,14 @@ class Compute(Actor):
                 else:
                     gy = (await self.inbox.take(("act_grad", g, layer, m))).tensor
                 buf = acc if acc is not None else await e.grad_slots.acquire()
+                stored = layer > 0 and not (j == last and sp.keep_out)
+                sink = e.inline_store("act_grad", layer - 1, m) if stored else None
                 fn = functools.partial(
-                    self._bwd_job, slot, x, gy, buf, batch, t, layer, m, acc is not None and j > 0
+                    self._bwd_job, slot, x, gy, buf, batch, t, layer, m, acc is not None and j > 0, sink
                 )
                 job = await self._start(f"bwd L{layer} mb{m}", j, m, fn)
                 job.buf = buf
+                job.inline = (False, sink is not None)
                 pending.append(job)
                 if len(pending) >= WINDOW:
                     await done(pending.popleft())
