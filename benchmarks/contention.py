@@ -40,7 +40,17 @@ from common import (  # type: ignore[import-not-found]
 from planner import Infeasible, measure_profile, search
 from planner.integrate import with_budgets
 from snake import Placement, SnakeConfig, SnakeTrainer
+from snake.actors import compute
 from snake.engine import Engine
+
+# what --ab turns off for the "before" variants of part 2: (variant suffix, how, how to undo)
+AB = {
+    "inline": ("_d2h_copies", lambda: setattr(Engine, "inline_stores", False),
+               lambda: setattr(Engine, "inline_stores", True)),
+    "group": ("_one_per_job", lambda: setattr(compute, "CPU_GROUP", 1),
+              lambda: setattr(compute, "CPU_GROUP", GROUP)),
+}
+GROUP = compute.CPU_GROUP
 
 CAP = 300e6
 BUDGET_MIB = 345  # throughput.py's budget
@@ -106,8 +116,9 @@ def cpu_delta(a: dict | None, b: dict | None, wall: float) -> dict[str, dict[str
 
 
 async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: float | None,
-                         budget: int | None, steps: int, inline: bool = True) -> dict:
-    Engine.inline_stores = inline
+                         budget: int | None, steps: int, off: str | None = None) -> dict:
+    if off is not None:
+        AB[off][1]()
     model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m, 32, steps + 1)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=placement, alpha=alpha, schedule="vertical",
@@ -120,13 +131,14 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
             b = t.trace.threads()
             kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
             ops = sum(1 for s in t.trace.spans if s.start_s >= s0)
-    Engine.inline_stores = True
+    if off is not None:
+        AB[off][2]()
     return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall),
             "traced_operations_per_iteration": ops / steps,
             "compute_busy_s_per_iteration": kernels / steps}
 
 
-def part2(pairs: int, slope: float, ab_inline: bool) -> dict:
+def part2(pairs: int, slope: float, ab: str | None) -> dict:
     cfg = gpt_config(8, 512, 32)
     m = 16
     budget = BUDGET_MIB * 2**20
@@ -138,11 +150,11 @@ def part2(pairs: int, slope: float, ab_inline: bool) -> dict:
     if isinstance(plan, Infeasible):
         raise SystemExit(plan.message)
     settings = {
-        "capped_planned": (plan.placement, plan.alpha, CAP, budget, True),
-        "all_cpu": (Placement.all_cpu(), 0.0, None, None, True),
+        "capped_planned": (plan.placement, plan.alpha, CAP, budget, None),
+        "all_cpu": (Placement.all_cpu(), 0.0, None, None, None),
     }
-    if ab_inline:  # the same, with the compute thread's inline stores off (d2h copies every activation)
-        settings |= {f"{k}_d2h_copies": (*v[:4], False) for k, v in settings.items()}
+    if ab is not None:  # the same with one of the runtime's CPU-device shortcuts off
+        settings |= {k + AB[ab][0]: (*v[:4], ab) for k, v in settings.items()}
     rows: dict[str, list[dict]] = {k: [] for k in (*settings, "torch_ckpt")}
     for rnd in range(pairs):
         order = list(rows) if rnd % 2 == 0 else list(rows)[::-1]
@@ -153,8 +165,8 @@ def part2(pairs: int, slope: float, ab_inline: bool) -> dict:
                 rows[key].append({"seconds": r["iteration_seconds"]["median"],
                                   "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"]})
             else:
-                placement, alpha, cap, bud, inline = settings[key]
-                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, inline)))
+                placement, alpha, cap, bud, off = settings[key]
+                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, off)))
         print("part 2 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
     out: dict = {"model": "GPT 8 x 512, 16 micro-batches of 1 x 32 tokens", "plan": {
         "placement": {k: getattr(plan.placement, k) for k in ("param", "ckpt", "opt")}, "alpha": plan.alpha},
@@ -184,8 +196,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of part 1")
     ap.add_argument("--pairs", type=int, default=4, help="alternating rounds of part 2")
     ap.add_argument("--slope", type=float, default=None, help="skip part 1, use this slope")
-    ap.add_argument("--ab-inline", action="store_true",
-                    help="part 2 also with Engine.inline_stores off (every activation copied by d2h)")
+    ap.add_argument("--ab", choices=sorted(AB), default=None,
+                    help="part 2 also with a CPU-device shortcut off, in the same pairs: inline (the compute "
+                         "thread stores activations itself) or group (several micro-batches per compute job)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     p1 = part1(args.rounds) if args.slope is None else {"summary": {}, "slope_median": args.slope}
@@ -193,7 +206,7 @@ def main() -> None:
         print(f"{k:10s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f}  side thread "
               f"{v['side_share_measured']:.3f} of a core", flush=True)
     print(f"slowdown per share of one core taken (median): {p1['slope_median']:.2f}", flush=True)
-    p2 = part2(args.pairs, p1["slope_median"], args.ab_inline)
+    p2 = part2(args.pairs, p1["slope_median"], args.ab)
     for key, v in p2["summary"].items():
         print(f"{key}: PyTorch+ckpt / snake {v['torch_over_snake_median']:.2f} (per pair "
               f"{', '.join(f'{x:.2f}' for x in v['torch_over_snake_per_pair'])}); snake's threads other than "

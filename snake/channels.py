@@ -49,6 +49,13 @@ class Mailbox:
         finally:
             self.waiting = None
 
+    def ready(self, *keys: Hashable) -> bool:
+        """Whether messages with all these keys are in, without waiting (they stay in)."""
+        while not self._q.empty():
+            msg = self._q.get_nowait()
+            self._stash[msg.key] = msg
+        return all(k in self._stash for k in keys)
+
     def pending(self) -> list[Any]:
         """Everything not yet taken (for cleanup after a failure)."""
         out = list(self._stash.values())
