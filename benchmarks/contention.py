@@ -115,6 +115,24 @@ def cpu_delta(a: dict | None, b: dict | None, wall: float) -> dict[str, dict[str
             for g, v in b.items()}
 
 
+_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def proc_stat() -> list[int]:
+    """The machine's CPU time so far, per /proc/stat field (clock ticks, all cores)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:1 + len(_STAT_FIELDS)]]
+
+
+def stat_delta(a: list[int], b: list[int], wall: float) -> dict[str, float]:
+    """Cores spent per /proc/stat field between two readings: where the machine's time went
+    that no thread of ours is charged with (softirq: I/O completions; steal: the hypervisor)."""
+    import os
+
+    hz = os.sysconf("SC_CLK_TCK")
+    return {f: (y - x) / hz / wall for f, x, y in zip(_STAT_FIELDS, a, b, strict=True)}
+
+
 async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: float | None,
                          budget: int | None, steps: int, off: str | None = None) -> dict:
     if off is not None:
@@ -125,16 +143,16 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
                            device="cpu", ssd_bandwidth_bytes_per_s=cap, cpu_memory_bytes=budget)
         async with SnakeTrainer(model, data=data, config=conf) as t:
             await t.run(1)  # warm-up
-            a, w0, s0 = t.trace.threads(), time.perf_counter(), t.trace.now()
+            a, w0, s0, st0 = t.trace.threads(), time.perf_counter(), t.trace.now(), proc_stat()
             rep = await t.run(steps)
             wall = time.perf_counter() - w0
-            b = t.trace.threads()
+            b, st1 = t.trace.threads(), proc_stat()
             kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
             ops = sum(1 for s in t.trace.spans if s.start_s >= s0)
     if off is not None:
         AB[off][2]()
     return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall),
-            "traced_operations_per_iteration": ops / steps,
+            "traced_operations_per_iteration": ops / steps, "machine_cores": stat_delta(st0, st1, wall),
             "compute_busy_s_per_iteration": kernels / steps}
 
 
@@ -160,10 +178,12 @@ def part2(pairs: int, slope: float, ab: str | None) -> dict:
         order = list(rows) if rnd % 2 == 0 else list(rows)[::-1]
         for key in order:
             if key == "torch_ckpt":
+                st0, w0 = proc_stat(), time.perf_counter()
                 r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=1, seq=32, steps=4,
                                                  activation_checkpointing=True))
                 rows[key].append({"seconds": r["iteration_seconds"]["median"],
-                                  "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"]})
+                                  "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"],
+                                  "machine_cores": stat_delta(st0, proc_stat(), time.perf_counter() - w0)})
             else:
                 placement, alpha, cap, bud, off = settings[key]
                 rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, off)))
@@ -186,9 +206,15 @@ def part2(pairs: int, slope: float, ab: str | None) -> dict:
             "snake_compute_busy_fraction": statistics.median(
                 r["compute_busy_s_per_iteration"] / r["seconds"] for r in rows[key]),
             "threads": threads, "helper_cores": helpers,
+            "machine_cores": _median_fields([r["machine_cores"] for r in rows[key]]),
             "predicted_torch_over_snake": 1 / (1 + slope * helpers),
         }
+    out["summary"]["torch_ckpt"] = {"machine_cores": _median_fields([r["machine_cores"] for r in rows["torch_ckpt"]])}
     return out
+
+
+def _median_fields(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {f: statistics.median(r[f] for r in rows) for f in _STAT_FIELDS}
 
 
 def main() -> None:
@@ -208,6 +234,10 @@ def main() -> None:
     print(f"slowdown per share of one core taken (median): {p1['slope_median']:.2f}", flush=True)
     p2 = part2(args.pairs, p1["slope_median"], args.ab)
     for key, v in p2["summary"].items():
+        print(f"{key}: machine cores by /proc/stat field " + ", ".join(
+            f"{f} {c:.3f}" for f, c in v["machine_cores"].items() if f != "nice"))
+        if key == "torch_ckpt":
+            continue
         print(f"{key}: PyTorch+ckpt / snake {v['torch_over_snake_median']:.2f} (per pair "
               f"{', '.join(f'{x:.2f}' for x in v['torch_over_snake_per_pair'])}); snake's threads other than "
               f"compute {v['helper_cores']:.3f} of a core, {v['traced_operations_per_iteration']:.0f} traced "
