@@ -85,7 +85,9 @@ class Engine:
             self.stores["opt"] = TierStore(
                 "opt", torch.float32, parts_units, cpu_share=self.placement.opt, comps=3, **store_kw
             )
-            self.stores["ckpt"] = TierStore("ckpt", self.dtype, ckpt_units, cpu_share=self.placement.ckpt, **store_kw)
+            self.stores["ckpt"] = TierStore(
+                "ckpt", self.dtype, ckpt_units, cpu_share=self.placement.ckpt, whole_units=True, **store_kw
+            )
             ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad"})
             self.stores["act_grad"] = TierStore(
                 "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin
@@ -120,7 +122,7 @@ class Engine:
         need = (
             tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)
             + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
-            + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize)
+            + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize, whole_units=True)
         )
         existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
         free = shutil.disk_usage(offload_dir).free + existing
@@ -165,8 +167,8 @@ class Engine:
         self.pools = {
             "param_in": host_pool("param_in", st["param"], sizes.param_tails),
             "param_out": host_pool("param_out", st["param"], self.workers),
-            "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.M + sizes.ckpt_in_extra),
-            "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.M + sizes.ckpt_out_extra),
+            "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_in_extra),
+            "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_out_extra),
             "opt": host_pool("opt", st["opt"], self.workers + sizes.opt_tails_extra),
         }
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(
@@ -177,6 +179,12 @@ class Engine:
             "device_grads", [torch.zeros(self.P, dtype=torch.float32, device=self.device) for _ in range(2)]
         )
         self._all_pools = [p for p in self.pools.values() if p is not None] + [self.param_slots, self.grad_slots]
+
+    def ckpt_ssd_per_layer(self) -> int:
+        """The most checkpoint units of one layer that live on SSD (whole units, so at most
+        ceil((1 - share) x micro_batches)): what a stage moves through the staging pools."""
+        st = self.stores["ckpt"]
+        return max(sum(st.has_tail((layer, m)) for m in range(self.M)) for layer in range(self.N))
 
     def _make_grads(self) -> None:
         """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers

@@ -1,9 +1,12 @@
 """How much host memory the runtime allocates, as a function of the placement shares.
 
-The runtime sizes its stores and buffer pools with exactly these numbers (see
-`snake/stores.py`), and the planner's LP uses the same linear model: host bytes =
-fixed + sum over kinds of per_share[kind] * placement.<kind>. Tail staging buffers shrink
-as a kind moves to CPU, so some coefficients are negative parts folded into fixed.
+The runtime sizes its stores and buffer pools with these numbers (see `snake/stores.py`),
+and the planner's LP uses the same linear model: host bytes = fixed + sum over kinds of
+per_share[kind] * placement.<kind>. Tail staging buffers shrink as a kind moves to CPU, so
+some coefficients are negative parts folded into fixed. Checkpoints are stored as whole
+units (`stores.cpu_units`): their staging pools hold whole units, as many as a layer has on
+SSD (at most (1 - share) x micro-batches + 1) plus a few; the model charges that bound, so it
+is exact up to those rounding units and never below the runtime.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def host_memory(
     """Host bytes the runtime holds for a placement, linear in the CPU shares.
 
     Per kind: the CPU-resident heads (share x total) plus tail staging buffers sized for the
-    SSD share ((1 - share) x unit, times the pool count). Plus kinds that always live in CPU
+    SSD share ((1 - share) x unit, times the pool count; checkpoints: whole units, their
+    count bounded by (1 - share) x n_micro + 1 per pool and stage). Plus kinds that always live in CPU
     memory: inter-layer gradients (vertical: two layers' worth), gradients (vertical: a few whole-layer buffers and the
     delayed alpha share of every layer, partly in the memory of the CPU-resident delayed
     parameters; horizontal: one fp32 accumulator per layer), and the
@@ -79,14 +83,16 @@ def host_memory(
     ckpt_unit = c * db
     opt_unit = p * OPT_BYTES_PER_ELEM
     param_pool = pools.param_tails + workers  # loads + optimizer write-back
-    ckpt_pool = 2 * n_micro + pools.ckpt_in_extra + pools.ckpt_out_extra
+    # two pools (reads, writes), each of (a layer's units on SSD <= (1 - share) n_micro + 1)
+    # + its extra whole units
+    ckpt_fixed = 2 * (n_micro + 1) + pools.ckpt_in_extra + pools.ckpt_out_extra
     opt_pool = workers + pools.opt_tails_extra
     per_share: dict[str, float] = {
         "param": param_total - param_pool * param_unit,
-        "ckpt": ckpt_total - ckpt_pool * ckpt_unit,
+        "ckpt": ckpt_total - 2 * n_micro * ckpt_unit,
         "opt": opt_total - opt_pool * opt_unit,
     }
-    tails = param_pool * param_unit + ckpt_pool * ckpt_unit + opt_pool * opt_unit
+    tails = param_pool * param_unit + ckpt_fixed * ckpt_unit + opt_pool * opt_unit
     act_grads = (2 * n_micro * c * db) if schedule == "vertical" else 0  # two layers' slots
     if schedule == "vertical":
         # the delayed (alpha) fp32 gradients wait in the memory of the CPU-resident delayed

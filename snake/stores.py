@@ -6,11 +6,16 @@ m and v, that share one split). Its first `k = round(cpu_share * n)` elements li
 memory; the rest in one ALIGN-aligned region of the kind's file under offload_dir. Loads
 and stores move whole units, heads by memcpy and tails by one pread/pwrite each. This is
 the one mapping a data-parallel rank or pipeline stage could later own a slice of.
+
+With `whole_units` (checkpoints: many small units) the share counts units instead: about
+`cpu_share` of them live wholly in CPU memory and the rest wholly on SSD (`cpu_units`), so a
+share below 1 costs SSD operations only for the units on SSD, not a small tail for every one.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +46,36 @@ class Unit:
         return self.comps * (self.n - self.k)
 
 
-def tail_file_bytes(sizes: Iterable[tuple[Hashable, int]], *, cpu_share: float, comps: int, esize: int) -> int:
+def cpu_units(count: int, share: float) -> list[bool]:
+    """Which of `count` units live wholly in CPU memory for a whole-unit store: round(share x
+    count) of them, spread evenly over the order given (unit i is in CPU memory when
+    floor((i + 1) share + 1/2) > floor(i share + 1/2)), so every run of units (a layer's
+    micro-batches) holds its share give or take one."""
+    if share >= 1.0:
+        return [True] * count
+    if share <= 0.0:
+        return [False] * count
+
+    def r(v: float) -> int:
+        return math.floor(v + 0.5)
+
+    return [r((i + 1) * share) > r(i * share) for i in range(count)]
+
+
+def head_sizes(sizes: list[tuple[Hashable, int]], cpu_share: float, whole_units: bool) -> list[int]:
+    """Elements per component of each unit in CPU memory (its head)."""
+    if whole_units:
+        return [n if cpu else 0 for (_key, n), cpu in zip(sizes, cpu_units(len(sizes), cpu_share), strict=True)]
+    return [n if cpu_share >= 1.0 else int(round(cpu_share * n)) for _key, n in sizes]
+
+
+def tail_file_bytes(
+    sizes: Iterable[tuple[Hashable, int]], *, cpu_share: float, comps: int, esize: int, whole_units: bool = False
+) -> int:
     """Bytes the SSD file of a store with these units needs (what TierStore allocates)."""
-    total = 0
-    for _key, n in sizes:
-        k = n if cpu_share >= 1.0 else int(round(cpu_share * n))
-        if n - k:
-            total += align_up(comps * (n - k) * esize)
-    return total
+    units = list(sizes)
+    return sum(align_up(comps * (n - k) * esize)
+               for (_key, n), k in zip(units, head_sizes(units, cpu_share, whole_units), strict=True) if n - k)
 
 
 class TierStore:
@@ -66,6 +93,7 @@ class TierStore:
         pin: bool = False,
         bucket: TokenBucket | None = None,
         use_gds: bool = False,
+        whole_units: bool = False,
     ) -> None:
         self.kind = kind
         self.dtype = dtype
@@ -74,8 +102,8 @@ class TierStore:
         self.units: dict[Hashable, Unit] = {}
         head = 0
         off = 0
-        for key, n in sizes:
-            k = n if cpu_share >= 1.0 else int(round(cpu_share * n))
+        units = list(sizes)
+        for (key, n), k in zip(units, head_sizes(units, cpu_share, whole_units), strict=True):
             u = Unit(key, n, k, comps, head, off)
             self.units[key] = u
             head += comps * k

@@ -33,3 +33,46 @@ async def test_rss_and_offload_dir_flat(tmp_path, schedule):
         rss1, disk1 = proc.memory_info().rss, _dir_bytes(tmp_path)
     assert disk1 == disk0
     assert rss1 - rss0 < max(0.03 * rss0, 8 * 2**20), (rss0, rss1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("ckpt", [0.0, 0.3, 0.5, 0.8, 1.0])
+async def test_checkpoints_whole_units_within_the_memory_model(tmp_path, ckpt, schedule):
+    """Checkpoints live as whole units, each wholly in CPU memory or wholly on SSD, about
+    `ckpt` of them per layer; only the units on SSD move over it; and the host bytes they take
+    (CPU units + staging pools) stay within the planner's model, at most a few units above."""
+    import math
+
+    from snake.memory import ModelShape, PoolSizes, host_memory
+
+    n_layer, micro = 4, 5
+    model = tiny_gpt(n_layer=n_layer, n_embd=64, bias=False)
+    cfg = SnakeConfig(micro_batches=micro, offload_dir=tmp_path, placement=Placement(param=1.0, ckpt=ckpt, opt=1.0),
+                      alpha=0.0, schedule=schedule, device="cpu")
+    async with SnakeTrainer(model, data=batches(2, 2 * micro), config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(2), 60)
+        e = trainer.engine
+        assert e is not None
+        st = e.stores["ckpt"]
+        unit = st.esize * e.ckpt_elems
+        units = list(st.units.values())
+        assert all(u.k in (0, u.n) for u in units)
+        in_cpu = [u for u in units if u.k == u.n]
+        assert len(in_cpu) == math.floor(ckpt * n_layer * micro + 0.5)
+        for layer in range(n_layer):
+            here = sum(1 for u in in_cpu if u.key[0] == layer)
+            assert math.floor(ckpt * micro) <= here <= math.ceil(ckpt * micro)
+        traffic = trainer.traffic()
+        assert traffic.get(("cpu", "ssd", "ckpt"), 0) == (len(units) - len(in_cpu)) * unit
+        pools = [e.pools[k] for k in ("ckpt_in", "ckpt_out") if e.pools[k] is not None]
+        runtime = st.cpu_bytes() + sum(p.size for p in pools) * st.max_tail_bytes
+        shape = ModelShape(n_layers=n_layer, layer_params=e.P, ckpt_elems=e.ckpt_elems, resident_params=0,
+                           tokens_per_micro=1, dtype_bytes=st.esize)
+        mem = host_memory(shape, n_micro=micro, alpha=0.0, schedule=schedule, workers=2)
+        # the model's checkpoint part: its share coefficient, plus the pools' fixed bound
+        # (two pools of (micro + 1) units and their extras)
+        sizes = PoolSizes()
+        m_ckpt = mem.per_share["ckpt"] * ckpt + (2 * (micro + 1) + sizes.ckpt_in_extra + sizes.ckpt_out_extra) * unit
+        assert runtime <= m_ckpt + 1
+        assert m_ckpt - runtime <= 6 * unit
