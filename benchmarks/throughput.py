@@ -107,15 +107,19 @@ def rooflines(result: dict, io_bytes_at) -> dict[str, list[dict]]:
     return roof
 
 
-def pooled_roofline(result: dict, roof_capped: list[dict]) -> list[dict]:
+def pooled_roofline(result: dict, roof_capped: list[dict], sweep: bool = True) -> list[dict]:
     """Capped vertical over min(compute, I/O roofline) from every round of the pair (the
-    sweep's run and the repeats): medians of all timed steps of vertical and of PyTorch+ckpt's
-    forward+backward; also each round's own ratio."""
+    sweep's run, unless not `sweep`, and the repeats): medians of all timed steps of vertical
+    and of PyTorch+ckpt's forward+backward; also each round's own ratio. Without the sweep's
+    pair only back-to-back pairs count (in the sweep the two sides run a minute apart, with
+    four snake runs of the same M, SSD-heavy ones included, between them)."""
     runs, rep = result["runs"], result["roof_repeats"]
     out = []
     for i, rr in enumerate(roof_capped):
-        vs = [runs["vertical_capped"][i], *rep["vertical_capped"][i]]
-        ts = [runs["torch+ckpt"][i], *rep["torch+ckpt"][i]]
+        vs = [runs["vertical_capped"][i], *rep["vertical_capped"][i]][0 if sweep else 1:]
+        ts = [runs["torch+ckpt"][i], *rep["torch+ckpt"][i]][0 if sweep else 1:]
+        if not vs:
+            continue
         tok = vs[0]["tokens_per_iteration"]
         v_steps = [x for r in vs for x in r["step_seconds"][1:]]
         t_steps = [x for r in ts for x in r.get("fwd_bwd_step_seconds", [])[1:]]
@@ -178,6 +182,7 @@ def analyze(result: dict) -> None:
             }
     if "vertical_capped" in runs and "roof_repeats" in result:
         summary["capped"]["vertical_vs_roofline_pooled"] = pooled_roofline(result, roof["capped"])
+        summary["capped"]["vertical_vs_roofline_back_to_back"] = pooled_roofline(result, roof["capped"], sweep=False)
     summary["vertical_uncapped_over_torch_ckpt"] = [] if "vertical_uncapped" not in runs else [
         {"M": rv["micro_batches"], "vertical_uncapped": rv["tokens_per_s"], "torch_ckpt": rt["tokens_per_s"],
          "ratio": rv["tokens_per_s"] / rt["tokens_per_s"],
@@ -196,7 +201,7 @@ def main() -> None:
     ap.add_argument("--fixed-only", action="store_true",
                     help="run only the fixed-placement pair and add it to the saved JSON")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
-    ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON")
+    ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON (benchmarks/results/NAME.json)")
     ap.add_argument("--capped-only", action="store_true", help="only the capped SSD (no uncapped pass)")
     ap.add_argument("--link-mb", type=float, default=None,
                     help="cap host<->device transfers at this many MB/s per direction for both schedules "
@@ -211,9 +216,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.reanalyze:
         import json
-        result = json.loads((RESULTS / "throughput.json").read_text())
+        result = json.loads((RESULTS / f"{args.name}.json").read_text())
         analyze(result)
-        finish("throughput", result)
+        print_summary(result)
+        finish(args.name, result)
         return
     if args.fixed_only:
         import json
@@ -357,6 +363,9 @@ def print_summary(result: dict) -> None:
                       + " ".join(f"{x['ratio']:.2f}" for x in s["vertical_vs_roofline_pooled"])
                       + "; per round " + " ".join("/".join(f"{y:.2f}" for y in x["ratio_per_round"])
                                                   for x in s["vertical_vs_roofline_pooled"]))
+            if s.get("vertical_vs_roofline_back_to_back"):
+                print(f"{k}: vertical / roofline, back-to-back pairs only "
+                      + " ".join(f"{x['ratio']:.2f}" for x in s["vertical_vs_roofline_back_to_back"]))
 
 
 def finish(name: str, result: dict) -> None:
