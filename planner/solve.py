@@ -121,8 +121,11 @@ def memory_check(
     )
 
 
-def _lp(phases: tuple[Phase, ...], mem: LinearMemory, budget: float, placement) -> highspy.HighsLp:
-    """Columns: x_param, x_ckpt, x_opt, then one time per phase (scaled by t0)."""
+def _lp(
+    phases: tuple[Phase, ...], mem: LinearMemory, budget: float, placement, *, ckpt_in_cpu: bool = False
+) -> highspy.HighsLp:
+    """Columns: x_param, x_ckpt, x_opt, then one time per phase (scaled by t0). ckpt_in_cpu:
+    x_ckpt is fixed at 1 (the model `mem` holds only there)."""
     t0 = max(max(b.seconds for ph in phases for b in ph.bounds), 1e-12)
     nx, nt = len(KINDS), len(phases)
     cost = np.zeros(nx + nt)
@@ -152,8 +155,13 @@ def _lp(phases: tuple[Phase, ...], mem: LinearMemory, budget: float, placement) 
     lp.num_col_, lp.num_row_ = nx + nt, len(lower)
     lp.col_cost_ = cost
     fixed = None if placement is None else [getattr(placement, k) for k in KINDS]
-    lp.col_lower_ = np.array((fixed or [0.0] * nx) + [0.0] * nt)
-    lp.col_upper_ = np.array((fixed or [1.0] * nx) + [highspy.kHighsInf] * nt)
+    if fixed is None and ckpt_in_cpu:
+        lo, hi = [0.0, 1.0, 0.0], [1.0, 1.0, 1.0]
+        lp.col_lower_ = np.array(lo + [0.0] * nt)
+        lp.col_upper_ = np.array(hi + [highspy.kHighsInf] * nt)
+    else:
+        lp.col_lower_ = np.array((fixed or [0.0] * nx) + [0.0] * nt)
+        lp.col_upper_ = np.array((fixed or [1.0] * nx) + [highspy.kHighsInf] * nt)
     lp.row_lower_, lp.row_upper_ = np.array(lower), np.array(upper)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
@@ -214,17 +222,43 @@ def solve(
     the shares instead of choosing them (the LP then only predicts and checks memory)."""
     _check(alpha, n_micro, schedule)
     mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers)
-    short = memory_check(profile, mem, n_micro, placement)
-    if short is not None:
-        return short
+    # Checkpoints are whole units (snake.stores.cpu_units): with all of them in CPU memory
+    # there are no checkpoint staging pools, which the general (linear) model cannot drop at
+    # share 1, so that case is solved with its own exact model and the better plan is kept.
+    mem_ckpt = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
+                           ckpt_in_cpu=True)
     budget, _ = host_budget(profile, n_micro)
     phases = phases_for(profile, n_micro, alpha, schedule)
-    sol = _run(_lp(phases, mem, budget, placement))
-    if sol is None:  # the memory check above is exact; this would be a numerical failure
-        raise RuntimeError(f"HiGHS found no optimum for n={n_micro} alpha={alpha} ({schedule})")
-    x0, x1, x2 = (min(1.0, max(0.0, v)) for v in sol)
-    x = (x0, x1, x2)
-    return make_plan(profile, phases, mem, budget, x, n_micro=n_micro, alpha=alpha, schedule=schedule)
+
+    def solved(m: LinearMemory, fixed: Placement | None, ckpt_in_cpu: bool) -> Plan | None:
+        sol = _run(_lp(phases, m, budget, fixed, ckpt_in_cpu=ckpt_in_cpu))
+        if sol is None:
+            return None
+        x0, x1, x2 = (min(1.0, max(0.0, v)) for v in sol)
+        return make_plan(profile, phases, m, budget, (x0, x1, x2), n_micro=n_micro, alpha=alpha, schedule=schedule)
+
+    def needed(plan: Plan | None) -> Plan:
+        if plan is None:  # the memory check before it is exact: this would be a numerical failure
+            raise RuntimeError(f"HiGHS found no optimum for n={n_micro} alpha={alpha} ({schedule})")
+        return plan
+
+    if placement is not None:
+        m = mem_ckpt if placement.ckpt >= 1.0 else mem
+        short = memory_check(profile, m, n_micro, placement)
+        return short if short is not None else needed(solved(m, placement, False))
+    short = memory_check(profile, mem, n_micro, None)
+    if short is not None and short.resource != "cpu_memory":
+        return short
+    plans = [needed(solved(mem, None, False))] if short is None else []
+    smallest = mem_ckpt.fixed_bytes + mem_ckpt.per_share["ckpt"] + sum(
+        min(0.0, mem_ckpt.per_share[k]) for k in ("param", "opt"))
+    if smallest <= budget:  # every checkpoint in CPU memory fits: its exact model's plan too
+        plans.append(needed(solved(mem_ckpt, None, True)))
+    if not plans:
+        assert short is not None
+        return short
+    # the faster plan; between equal ones, checkpoints in CPU memory (fewer SSD operations)
+    return min(plans, key=lambda p: (round(p.predicted_iteration_seconds, 9), -p.placement.ckpt))
 
 
 def predict(

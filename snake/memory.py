@@ -65,6 +65,7 @@ def host_memory(
     schedule: str,
     workers: int,
     pools: PoolSizes = PoolSizes(),
+    ckpt_in_cpu: bool = False,
 ) -> LinearMemory:
     """Host bytes the runtime holds for a placement, linear in the CPU shares.
 
@@ -74,7 +75,11 @@ def host_memory(
     memory: inter-layer gradients (vertical: two layers' worth), gradients (vertical: a few whole-layer buffers and the
     delayed alpha share of every layer, partly in the memory of the CPU-resident delayed
     parameters; horizontal: one fp32 accumulator per layer), and the
-    resident pre/post optimizer state. Page padding of tails is ignored (< ALIGN per buffer)."""
+    resident pre/post optimizer state. Page padding of tails is ignored (< ALIGN per buffer).
+
+    ckpt_in_cpu: the model for every checkpoint in CPU memory (valid at ckpt share 1 only):
+    no checkpoint staging pools, so exact there, where the general model's bound on the
+    pools (which a linear model cannot drop at share 1) would still charge a few units."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
     param_total = n * p * db
     ckpt_total = n * n_micro * c * db
@@ -85,11 +90,11 @@ def host_memory(
     param_pool = pools.param_tails + workers  # loads + optimizer write-back
     # two pools (reads, writes), each of (a layer's units on SSD <= (1 - share) n_micro + 1)
     # + its extra whole units
-    ckpt_fixed = 2 * (n_micro + 1) + pools.ckpt_in_extra + pools.ckpt_out_extra
+    ckpt_fixed = 0 if ckpt_in_cpu else 2 * (n_micro + 1) + pools.ckpt_in_extra + pools.ckpt_out_extra
     opt_pool = workers + pools.opt_tails_extra
     per_share: dict[str, float] = {
         "param": param_total - param_pool * param_unit,
-        "ckpt": ckpt_total - 2 * n_micro * ckpt_unit,
+        "ckpt": ckpt_total - (0 if ckpt_in_cpu else 2 * n_micro * ckpt_unit),
         "opt": opt_total - opt_pool * opt_unit,
     }
     tails = param_pool * param_unit + ckpt_fixed * ckpt_unit + opt_pool * opt_unit

@@ -76,3 +76,8 @@ async def test_checkpoints_whole_units_within_the_memory_model(tmp_path, ckpt, s
         m_ckpt = mem.per_share["ckpt"] * ckpt + (2 * (micro + 1) + sizes.ckpt_in_extra + sizes.ckpt_out_extra) * unit
         assert runtime <= m_ckpt + 1
         assert m_ckpt - runtime <= 6 * unit
+        if ckpt == 1.0:  # the planner's model for every checkpoint in CPU memory: exact
+            exact = host_memory(shape, n_micro=micro, alpha=0.0, schedule=schedule, workers=2, ckpt_in_cpu=True)
+            assert runtime == exact.per_share["ckpt"]
+            assert exact.fixed_bytes == mem.fixed_bytes - (2 * (micro + 1) + sizes.ckpt_in_extra
+                                                           + sizes.ckpt_out_extra) * unit

@@ -9,6 +9,7 @@ import pytest
 from conftest import GiB, synthetic_profile
 
 from planner import Infeasible, Plan, predict, predict_horizontal, search, solve
+from planner.model import phases_for
 from planner.profile import MachineProfile
 from planner.search import ALPHAS, best_alpha
 from snake.config import Placement
@@ -151,9 +152,14 @@ def test_equal_time_prefers_fewer_ssd_operations(n, monkeypatch):
     assert plan.placement.param == 1.0 and plan.placement.ckpt == 1.0
     assert 0.0 < plan.placement.opt < 1.0
     assert any(b.startswith("host_") for b in plan.binding)
+    # the general LP (any checkpoint share) on its own: the operation count decides the tie
+    mem = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2)
+    budget, _ = LP.host_budget(p, n)
+    phases = phases_for(p, n, 0.0, "vertical")
+    assert LP._run(LP._lp(phases, mem, budget, None))[1] == pytest.approx(1.0)
     monkeypatch.setattr(LP, "OP_SECONDS", 0.0)
+    assert LP._run(LP._lp(phases, mem, budget, None))[1] < 0.99  # without it: the other vertex
     bytes_only = solve(p, n_micro=n, alpha=0.0)
-    assert bytes_only.placement.ckpt < 1.0  # without the operation count: the other vertex
     assert plan.predicted_iteration_seconds == pytest.approx(bytes_only.predicted_iteration_seconds, rel=1e-9)
 
 
@@ -215,3 +221,29 @@ def test_bad_arguments_raise():
         solve(p, n_micro=0, alpha=0.0)
     with pytest.raises(ValueError, match="schedule"):
         solve(p, n_micro=1, alpha=0.0, schedule="diagonal")
+
+
+def test_checkpoints_all_in_cpu_use_their_exact_memory_model():
+    """Checkpoints are whole units: with all of them in CPU memory there are no checkpoint
+    staging pools, which the general model's bound still charges. A budget that fits them
+    only without those pools gets the all-in-CPU plan, charged exactly."""
+    p = synthetic_profile(ssd_read_bytes_per_s=3e8)  # slow reads: checkpoints on SSD cost time
+    n = 1
+    general = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2)
+    exact = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2, ckpt_in_cpu=True)
+    assert exact.at(1.0, 1.0, 0.0) < general.at(1.0, 1.0, 0.0)
+    _, dev = LP.host_budget(p, n)
+    room = exact.at(1.0, 1.0, 0.0) + 0.25 * exact.per_share["opt"]  # params, checkpoints, 1/4 of opt
+    tight = dataclasses.replace(p, cpu_memory_bytes=room + (dev if p.device == "cpu" else 0.0))
+    plan = solve(tight, n_micro=n, alpha=0.0)
+    assert isinstance(plan, Plan)
+    assert plan.placement.ckpt == 1.0 and plan.placement.param == 1.0
+    assert plan.placement.opt == pytest.approx(0.25, abs=1e-6)
+    assert plan.host_memory_bytes == pytest.approx(exact.at(1.0, 1.0, plan.placement.opt))
+    # the general model alone would have had to give checkpoints up to SSD: a slower plan
+    budget, _ = LP.host_budget(tight, n)
+    phases = phases_for(tight, n, 0.0, "vertical")
+    x = LP._run(LP._lp(phases, general, budget, None))
+    assert x is not None and x[1] < 1.0 - 1e-6
+    only = LP.make_plan(tight, phases, general, budget, tuple(x), n_micro=n, alpha=0.0, schedule="vertical")
+    assert only.predicted_iteration_seconds > plan.predicted_iteration_seconds
