@@ -149,10 +149,13 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
             b, st1 = t.trace.threads(), proc_stat()
             kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
             ops = sum(1 for s in t.trace.spans if s.start_s >= s0)
+            ssd_ops = sum(1 for s in t.trace.spans if s.start_s >= s0 and s.actor in ("ssd_read", "ssd_write"))
     if off is not None:
         AB[off][2]()
     return {"seconds": statistics.median(s.seconds for s in rep.steps), "threads": cpu_delta(a, b, wall),
-            "traced_operations_per_iteration": ops / steps, "machine_cores": stat_delta(st0, st1, wall),
+            "traced_operations_per_iteration": ops / steps, "ssd_operations_per_iteration": ssd_ops / steps,
+            "cpu_s_per_iteration": {g: v["cores"] * wall / steps for g, v in cpu_delta(a, b, wall).items()},
+            "machine_cores": stat_delta(st0, st1, wall),
             "compute_busy_s_per_iteration": kernels / steps}
 
 
@@ -213,6 +216,44 @@ def part2(pairs: int, slope: float, ab: str | None) -> dict:
     return out
 
 
+def op_cost(pairs: int) -> dict:
+    """Part 3: the CPU one SSD operation costs on a CPU device. The capped compute-bound point
+    (M = 16) with the same placement except the checkpoints: all in CPU memory, or all on SSD
+    (2 x 16 x 8 = 256 more SSD operations per iteration, 64 KiB each), in alternating pairs.
+    Per extra SSD operation: the CPU seconds of snake's threads other than compute, and the
+    iteration and compute-thread seconds it added (these two include the kernels' slowdown)."""
+    cfg = gpt_config(8, 512, 32)
+    m = 16
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    settings = {"ckpt_cpu": Placement(param=1.0, ckpt=1.0, opt=0.3),
+                "ckpt_ssd": Placement(param=1.0, ckpt=0.0, opt=0.3)}
+    rows: dict[str, list[dict]] = {k: [] for k in settings}
+    for rnd in range(pairs):
+        for key in (list(settings) if rnd % 2 == 0 else list(settings)[::-1]):
+            rows[key].append(asyncio.run(snake_measured(cfg, m, settings[key], 0.0, CAP, None, 3)))
+        print("part 3 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
+
+    def helpers(r: dict) -> float:
+        return sum(v for g, v in r["cpu_s_per_iteration"].items() if g not in ("snake-compute", "native"))
+
+    per_pair = []
+    for a, b in zip(rows["ckpt_cpu"], rows["ckpt_ssd"], strict=True):
+        ops = b["ssd_operations_per_iteration"] - a["ssd_operations_per_iteration"]
+        per_pair.append({"extra_ssd_operations": ops,
+                         "helper_cpu_s_per_op": (helpers(b) - helpers(a)) / ops,
+                         "iteration_s_per_op": (b["seconds"] - a["seconds"]) / ops,
+                         "compute_busy_s_per_op": (b["compute_busy_s_per_iteration"]
+                                                   - a["compute_busy_s_per_iteration"]) / ops})
+    summary = {f: statistics.median(p[f] for p in per_pair) for f in per_pair[0]}
+    summary["thread_cpu_s_per_op"] = {
+        g: statistics.median((b["cpu_s_per_iteration"].get(g, 0.0) - a["cpu_s_per_iteration"].get(g, 0.0))
+                             / p["extra_ssd_operations"]
+                             for a, b, p in zip(rows["ckpt_cpu"], rows["ckpt_ssd"], per_pair, strict=True))
+        for g in sorted({g for r in rows["ckpt_ssd"] for g in r["cpu_s_per_iteration"]})}
+    return {"model": "GPT 8 x 512, 16 micro-batches of 1 x 32 tokens, 300 MB/s cap, opt 0.3 in CPU memory",
+            "rows": rows, "per_pair": per_pair, "summary": summary}
+
+
 def _median_fields(rows: list[dict[str, float]]) -> dict[str, float]:
     return {f: statistics.median(r[f] for r in rows) for f in _STAT_FIELDS}
 
@@ -225,8 +266,21 @@ def main() -> None:
     ap.add_argument("--ab", choices=sorted(AB), default=None,
                     help="part 2 also with a CPU-device shortcut off, in the same pairs: inline (the compute "
                          "thread stores activations itself) or group (several micro-batches per compute job)")
+    ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
+                    help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.op_cost:
+        p3 = op_cost(args.op_cost)
+        s = p3["summary"]
+        print(f"per extra SSD operation (median of {args.op_cost} pairs, {s['extra_ssd_operations']:.0f} extra per "
+              f"iteration): helper CPU {s['helper_cpu_s_per_op'] * 1e6:.0f} us, iteration "
+              f"{s['iteration_s_per_op'] * 1e6:.0f} us, compute busy {s['compute_busy_s_per_op'] * 1e6:.0f} us")
+        for g, v in sorted(s["thread_cpu_s_per_op"].items(), key=lambda kv: -kv[1]):
+            print(f"    {g:32s} {v * 1e6:.0f} us")
+        print(save("contention_op_cost", {"machine": machine(), "part3": p3,
+                                          "seconds_total": time.perf_counter() - t0}))
+        return
     p1 = part1(args.rounds) if args.slope is None else {"summary": {}, "slope_median": args.slope}
     for k, v in p1["summary"].items():
         print(f"{k:10s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f}  side thread "

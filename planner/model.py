@@ -4,7 +4,8 @@ A schedule is a list of phases per layer and iteration (vertical: one forward st
 backward stage covering all n micro-batches; horizontal: per-micro-batch stages). A phase
 lasts as long as its slowest resource (compute, CPU Adam, host->device, device->host, SSD),
 all assumed to overlap (GreedySnake 4.5), except on a CPU device, where the first four
-share the cores and add up. Each resource gives a lower bound on the phase time
+share the cores and add up, together with the CPU the runtime's threads spend per SSD
+operation (HOST_SECONDS_PER_SSD_OP). Each resource gives a lower bound on the phase time
 that is linear in the CPU shares x = (param, ckpt, opt):
 
     t_phase >= seconds + sum_k per_share[k] * x_k
@@ -22,6 +23,11 @@ from snake.memory import OPT_BYTES_PER_ELEM
 
 KINDS = ("param", "ckpt", "opt")
 GRAD_BYTES_PER_ELEM = 4  # fp32 gradients
+# What one SSD read or write costs the kernels on a CPU device: snake's threads (event
+# loop, I/O, copies) spend ~660 us of CPU on it, which on this 2-core machine is ~330 us of
+# both cores; the iteration grew 339 us per operation (benchmarks/contention.py --op-cost,
+# BENCHMARKS.md section 7).
+HOST_SECONDS_PER_SSD_OP = 3.3e-4
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,8 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
     """The resource bounds of one phase: compute, CPU Adam, host->device, device->host, SSD;
     on a CPU device also `host`, their sum: there the kernels, AdamW and the copies run on
     the same cores (each was measured with all of them), so they add up instead of
-    overlapping."""
+    overlapping, and each SSD operation adds HOST_SECONDS_PER_SSD_OP (fewer with every share
+    kept in CPU memory)."""
     ssd = ssd_seconds_per_kind(profile, t)
     cpu_work = (
         t.compute_seconds,
@@ -89,7 +96,9 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
         t.h2d_bytes / profile.h2d_bytes_per_s,
         t.d2h_bytes / profile.d2h_bytes_per_s,
     )
-    shared = (Bound(f"host_{name}", sum(cpu_work)),) if profile.device == "cpu" else ()
+    ops = tuple(HOST_SECONDS_PER_SSD_OP * o for o in t.ssd_ops)
+    shared = ((Bound(f"host_{name}", sum(cpu_work) + sum(ops), (-ops[0], -ops[1], -ops[2])),)
+              if profile.device == "cpu" else ())
     link = profile.device_link_bytes_per_s or float("inf")  # a capped link: its time, not CPU work
     return Phase(
         name=name,

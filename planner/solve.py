@@ -8,7 +8,8 @@ penalty on SSD traffic, so that spare CPU memory still takes traffic off the SSD
 penalty each SSD operation also counts OP_SECONDS, so that between placements of equal
 time and equal SSD bytes (checkpoints and optimizer states both move two bytes per byte
 kept on SSD) the one with fewer, larger operations wins: the runtime's threads spend a
-fixed CPU cost per operation, which on a CPU device comes out of the kernels' cores.
+fixed CPU cost per operation. On a CPU device that cost comes out of the kernels' cores,
+so there the time model itself charges it (`planner.model.HOST_SECONDS_PER_SSD_OP`).
 Device memory does not depend on x: it is checked before the LP.
 """
 
