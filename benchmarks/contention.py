@@ -1,6 +1,7 @@
 """What snake's own threads cost the compute kernels when the "device" is the CPU.
 
     python benchmarks/contention.py        # ~3 min on 2 cores
+    python benchmarks/contention.py --op-cost 5 [--op-cost-m 8]   # part 3 only, ~1.5 min
 
 On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
 the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
@@ -12,7 +13,9 @@ statistics; "native" is the compute thread's OpenMP workers) while the runtime t
 M = 16, the planned placement under the same 345 MiB budget and 300 MB/s SSD cap) and with
 everything in CPU memory, next to the PyTorch + checkpointing loop in alternating pairs, and
 compares the measured ratio with the one part 1's slope predicts from the helpers' share.
-Writes benchmarks/results/contention.json.
+Part 3 (--op-cost) measures what one SSD operation costs (the planner's per-operation
+constants, planner/model.py). Writes benchmarks/results/contention.json (part 3:
+contention_op_cost[_mM].json).
 """
 
 from __future__ import annotations
@@ -216,14 +219,14 @@ def part2(pairs: int, slope: float, ab: str | None) -> dict:
     return out
 
 
-def op_cost(pairs: int) -> dict:
-    """Part 3: the CPU one SSD operation costs on a CPU device. The capped compute-bound point
-    (M = 16) with the same placement except the checkpoints: all in CPU memory, or all on SSD
-    (2 x 16 x 8 = 256 more SSD operations per iteration, 64 KiB each), in alternating pairs.
-    Per extra SSD operation: the CPU seconds of snake's threads other than compute, and the
-    iteration and compute-thread seconds it added (these two include the kernels' slowdown)."""
+def op_cost(pairs: int, m: int) -> dict:
+    """Part 3: what one SSD operation costs on a CPU device. The capped setting at M
+    micro-batches (16: the compute-bound point; 8: I/O-bound) with the same placement except
+    the checkpoints: all in CPU memory, or all on SSD (2 x M x 8 more SSD operations per
+    iteration, 64 KiB each), in alternating pairs. Per extra SSD operation: the CPU seconds
+    of snake's threads other than compute, and the iteration and compute-thread seconds it
+    added (these two include the kernels' slowdown, or the SSD's time)."""
     cfg = gpt_config(8, 512, 32)
-    m = 16
     SCRATCH.mkdir(parents=True, exist_ok=True)
     settings = {"ckpt_cpu": Placement(param=1.0, ckpt=1.0, opt=0.3),
                 "ckpt_ssd": Placement(param=1.0, ckpt=0.0, opt=0.3)}
@@ -250,7 +253,7 @@ def op_cost(pairs: int) -> dict:
                              / p["extra_ssd_operations"]
                              for a, b, p in zip(rows["ckpt_cpu"], rows["ckpt_ssd"], per_pair, strict=True))
         for g in sorted({g for r in rows["ckpt_ssd"] for g in r["cpu_s_per_iteration"]})}
-    return {"model": "GPT 8 x 512, 16 micro-batches of 1 x 32 tokens, 300 MB/s cap, opt 0.3 in CPU memory",
+    return {"model": f"GPT 8 x 512, {m} micro-batches of 1 x 32 tokens, 300 MB/s cap, opt 0.3 in CPU memory",
             "rows": rows, "per_pair": per_pair, "summary": summary}
 
 
@@ -268,17 +271,20 @@ def main() -> None:
                          "thread stores activations itself) or group (several micro-batches per compute job)")
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
+    ap.add_argument("--op-cost-m", type=int, default=16, metavar="M", help="micro-batches for part 3")
     args = ap.parse_args()
     t0 = time.perf_counter()
     if args.op_cost:
-        p3 = op_cost(args.op_cost)
+        p3 = op_cost(args.op_cost, args.op_cost_m)
         s = p3["summary"]
-        print(f"per extra SSD operation (median of {args.op_cost} pairs, {s['extra_ssd_operations']:.0f} extra per "
+        print(f"M = {args.op_cost_m}: per extra SSD operation (median of {args.op_cost} pairs, "
+              f"{s['extra_ssd_operations']:.0f} extra per "
               f"iteration): helper CPU {s['helper_cpu_s_per_op'] * 1e6:.0f} us, iteration "
               f"{s['iteration_s_per_op'] * 1e6:.0f} us, compute busy {s['compute_busy_s_per_op'] * 1e6:.0f} us")
         for g, v in sorted(s["thread_cpu_s_per_op"].items(), key=lambda kv: -kv[1]):
             print(f"    {g:32s} {v * 1e6:.0f} us")
-        print(save("contention_op_cost", {"machine": machine(), "part3": p3,
+        name = "contention_op_cost" if args.op_cost_m == 16 else f"contention_op_cost_m{args.op_cost_m}"
+        print(save(name, {"machine": machine(), "part3": p3,
                                           "seconds_total": time.perf_counter() - t0}))
         return
     p1 = part1(args.rounds) if args.slope is None else {"summary": {}, "slope_median": args.slope}
