@@ -52,7 +52,8 @@ class Traffic:
     """Bytes one phase moves for one layer. ssd_read / ssd_write: bytes of each kind that
     would move if that kind lived entirely on SSD (scaled by 1 - x_k). ssd_ops: how many
     SSD reads and writes of each kind that takes (a unit is one operation each way: a
-    layer's checkpoints are n small ones, its optimizer states one large one)."""
+    layer's checkpoints are n small ones, its optimizer states one large one, two with a
+    delayed share; the runtime's count, tests/planner/test_plan_solve.py)."""
 
     compute_seconds: float
     adam_elems: float
@@ -137,6 +138,9 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     fp32 layer gradient (once) out; the (1 - alpha) share of the optimizer step."""
     p, pb, cb, ob = _units(profile.shape)
     a = alpha
+    # SSD operations: with a delayed share (alpha > 0) params and optimizer states are two
+    # units per layer (the step's now and delayed parts), each loaded and written on its own
+    split = 2 if a > 0 else 1
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
@@ -144,7 +148,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=n * cb,
         ssd_read=(pb, 0.0, a * ob),
         ssd_write=(a * pb, n * cb, a * ob),
-        ssd_ops=(1 + a, n, 2 * a),
+        ssd_ops=(split + (a > 0), n, 2 * (a > 0)),
     )
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
@@ -153,7 +157,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
         ssd_read=(pb, n * cb, (1 - a) * ob),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob),
-        ssd_ops=(2 - a, n, 2 * (1 - a)),
+        ssd_ops=(split + 1, n, 2),
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 
@@ -169,13 +173,17 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     f, rb = profile.fwd_seconds, profile.recompute_seconds + profile.bwd_seconds
     grads = GRAD_BYTES_PER_ELEM * p
 
+    split = 2 if a > 0 else 1  # units per layer of params and optimizer states (vertical_phases)
+
     def fwd(first: bool) -> Traffic:
         s = a if first else 0.0
-        return Traffic(f, s * p, pb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob), (1 + s, 1, 2 * s))
+        ops = (split + (s > 0), 1, 2 * (s > 0))
+        return Traffic(f, s * p, pb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob), ops)
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
-        return Traffic(rb, s * p, pb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob), (1 + s, 1, 2 * s))
+        ops = (split + (s > 0), 1, 2 * (s > 0))
+        return Traffic(rb, s * p, pb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob), ops)
 
     phases = (
         phase(profile, "fwd_first", 1, fwd(True)),

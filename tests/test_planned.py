@@ -6,7 +6,10 @@ import asyncio
 
 import pytest
 
-from snake import ConfigError, SnakeConfig, SnakeTrainer
+from planner.model import KINDS, phases_for
+from planner.profile import MachineProfile
+from snake import ConfigError, Placement, SnakeConfig, SnakeTrainer
+from snake.memory import ModelShape
 from tests.helpers import assert_close_state, batches, reference, tiny_gpt
 
 
@@ -34,3 +37,32 @@ async def test_config_that_cannot_fit_fails_before_training(tmp_path):
         with pytest.raises(ConfigError, match="(?i)cpu memory"):
             await asyncio.wait_for(trainer.run(1), 120)
     assert not list(off.glob("*.bin"))
+
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("schedule", "alpha"), [("vertical", 0.0), ("vertical", 0.25), ("horizontal", 0.0)])
+async def test_planner_counts_the_ssd_operations_the_runtime_makes(tmp_path, schedule, alpha):
+    """planner.model's ssd_ops per layer and iteration, summed over the schedule's phases, is
+    the number of SSD reads and writes the runtime traces per kind when every kind has a tail
+    on SSD (the planner's per-operation charges on a CPU device rest on this count)."""
+    n_layer, m = 3, 2
+    cfg = SnakeConfig(micro_batches=m, offload_dir=tmp_path, device="cpu", schedule=schedule, alpha=alpha,
+                      placement=Placement(param=0.5, ckpt=0.0, opt=0.5))
+    async with SnakeTrainer(tiny_gpt(n_layer=n_layer, bias=False), data=batches(3, 2 * m), config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(2), 120)
+        t0 = trainer.trace.now()
+        await asyncio.wait_for(trainer.run(1), 120)
+        traced = dict.fromkeys(KINDS, 0)
+        for s in trainer.trace.spans:
+            if s.start_s >= t0 and s.actor in ("ssd_read", "ssd_write"):
+                traced[s.name.split()[0]] += 1
+    shape = ModelShape(n_layers=n_layer, layer_params=1, ckpt_elems=1, resident_params=1, tokens_per_micro=1,
+                       dtype_bytes=4)
+    profile = MachineProfile(
+        fwd_seconds=1.0, recompute_seconds=1.0, bwd_seconds=1.0, pre_post_seconds=1.0, h2d_bytes_per_s=1.0,
+        d2h_bytes_per_s=1.0, ssd_read_bytes_per_s=1.0, ssd_write_bytes_per_s=1.0, adam_elems_per_s=1.0,
+        cpu_memory_bytes=1.0, device_memory_bytes=1.0, shape=shape, device="cpu")
+    phases = phases_for(profile, m, alpha, schedule)
+    counted = {k: n_layer * sum(ph.count * ph.traffic.ssd_ops[i] for ph in phases) for i, k in enumerate(KINDS)}
+    assert traced == counted
