@@ -28,10 +28,12 @@ GRAD_BYTES_PER_ELEM = 4  # fp32 gradients
 # both cores; the iteration grew 339 us per operation (benchmarks/contention.py --op-cost,
 # BENCHMARKS.md section 7).
 HOST_SECONDS_PER_SSD_OP = 3.3e-4
-# What one SSD operation costs the SSD channel on a CPU device beyond its bytes: at the
-# I/O-bound point (300 MB/s, M = 8) checkpoints on SSD (64 KiB units) made the iteration
-# 1.9 ms longer per operation (1.75-2.57 ms in 5 of 5 pairs), where their bytes take 0.22 ms:
-# the channel idles between them (same benchmark, --op-cost-m 8). Not measured on a GPU.
+# What one checkpoint read or write costs the SSD channel on a CPU device beyond its bytes:
+# at the I/O-bound point (300 MB/s, M = 8) checkpoints on SSD (64 KiB units) made the
+# iteration 1.9 ms longer per operation (1.75-2.57 ms in 5 of 5 pairs), where their bytes
+# take 0.22 ms: the channel idles between them (same benchmark, --op-cost-m 8). Charged to
+# checkpoint operations only: the large units' predictions fit their bytes (BENCHMARKS.md
+# section 7). Not measured on a GPU.
 SSD_SECONDS_PER_OP_CPU_DEVICE = 1.9e-3
 
 
@@ -94,9 +96,11 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
     on a CPU device also `host`, their sum: there the kernels, AdamW and the copies run on
     the same cores (each was measured with all of them), so they add up instead of
     overlapping, and each SSD operation adds HOST_SECONDS_PER_SSD_OP (fewer with every share
-    kept in CPU memory) there and SSD_SECONDS_PER_OP_CPU_DEVICE to the SSD bound."""
-    per_op = SSD_SECONDS_PER_OP_CPU_DEVICE if profile.device == "cpu" else 0.0
-    ssd = [s + per_op * o for s, o in zip(ssd_seconds_per_kind(profile, t), t.ssd_ops, strict=True)]
+    kept in CPU memory) there, and each checkpoint operation SSD_SECONDS_PER_OP_CPU_DEVICE to
+    the SSD bound."""
+    ssd = list(ssd_seconds_per_kind(profile, t))
+    if profile.device == "cpu":  # measured for checkpoint units; large units cost their bytes
+        ssd[1] += SSD_SECONDS_PER_OP_CPU_DEVICE * t.ssd_ops[1]
     cpu_work = (
         t.compute_seconds,
         t.adam_elems / profile.adam_elems_per_s,
