@@ -11,13 +11,8 @@ that is linear in the CPU shares x = (param, ckpt, opt):
     t_phase >= seconds + sum_k per_share[k] * x_k
 
 SSD bounds have negative per_share: every byte moved to CPU memory is a byte less of SSD
-traffic. A phase's SSD bound counts only its reads (the kernels wait for them); reads and
-writes share one channel over the whole layer (seconds = read_bytes / read_bw + write_bytes /
-write_bw, summed over the phases: `channel_seconds`), which is also what the runtime's
-token-bucket cap does (one bucket, both ways). The runtime writes a phase's results back
-while later phases run and reads ahead of the stage that needs the data (snake/plans.py), so
-the channel is not confined to phases: with the per-phase bound on all traffic, alpha = 0
-configurations were predicted up to 20 % slow (BENCHMARKS.md section 2).
+traffic. Reads and writes share one channel (seconds = read_bytes / read_bw + write_bytes /
+write_bw), which is also what the runtime's token-bucket cap does (one bucket, both ways).
 """
 
 from __future__ import annotations
@@ -79,7 +74,6 @@ class Phase:
     count: int
     traffic: Traffic
     bounds: tuple[Bound, ...]
-    channel: Bound = Bound("ssd_channel", 0.0)  # all of the phase's SSD traffic (layer_seconds)
 
     def ssd_bytes_at(self, x: tuple[float, float, float]) -> float:
         t = self.traffic
@@ -91,16 +85,10 @@ class Phase:
         return max(b.at(x) for b in self.bounds)
 
 
-def ssd_seconds_per_kind(profile, t: Traffic, *, reads_only: bool = False) -> tuple[float, float, float]:
-    """Seconds of SSD traffic per kind when that kind lives entirely on SSD (reads_only: of
-    its reads), with the per-operation charge of checkpoints on a CPU device."""
+def ssd_seconds_per_kind(profile, t: Traffic) -> tuple[float, float, float]:
+    """Seconds of SSD traffic per kind when that kind lives entirely on SSD."""
     r, w = profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
-    out = [rb / r + (0.0 if reads_only else wb / w) for rb, wb in zip(t.ssd_read, t.ssd_write, strict=True)]
-    if profile.device == "cpu":  # measured for checkpoint units; large units cost their bytes
-        rb, wb = t.ssd_read[1], t.ssd_write[1]
-        ops = t.ssd_ops[1] * (rb / (rb + wb) if reads_only and rb + wb > 0 else 1.0)
-        out[1] += SSD_SECONDS_PER_OP_CPU_DEVICE * ops
-    return out[0], out[1], out[2]
+    return tuple(rb / r + wb / w for rb, wb in zip(t.ssd_read, t.ssd_write, strict=True))
 
 
 def phase(profile, name: str, count: int, t: Traffic) -> Phase:
@@ -110,8 +98,9 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
     overlapping, and each SSD operation adds HOST_SECONDS_PER_SSD_OP (fewer with every share
     kept in CPU memory) there, and each checkpoint operation SSD_SECONDS_PER_OP_CPU_DEVICE to
     the SSD bound."""
-    ssd = ssd_seconds_per_kind(profile, t)
-    reads = ssd_seconds_per_kind(profile, t, reads_only=True)
+    ssd = list(ssd_seconds_per_kind(profile, t))
+    if profile.device == "cpu":  # measured for checkpoint units; large units cost their bytes
+        ssd[1] += SSD_SECONDS_PER_OP_CPU_DEVICE * t.ssd_ops[1]
     cpu_work = (
         t.compute_seconds,
         t.adam_elems / profile.adam_elems_per_s,
@@ -131,10 +120,9 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
             Bound(f"adam_{name}", cpu_work[1]),
             Bound(f"h2d_{name}", t.h2d_bytes / min(profile.h2d_bytes_per_s, link)),
             Bound(f"d2h_{name}", t.d2h_bytes / min(profile.d2h_bytes_per_s, link)),
-            Bound(f"ssd_{name}", sum(reads), (-reads[0], -reads[1], -reads[2])),
+            Bound(f"ssd_{name}", sum(ssd), (-ssd[0], -ssd[1], -ssd[2])),
             *shared,
         ),
-        channel=Bound("ssd_iteration", sum(ssd), (-ssd[0], -ssd[1], -ssd[2])),
     )
 
 
@@ -219,14 +207,8 @@ def phases_for(profile, n: int, alpha: float, schedule: str) -> tuple[Phase, ...
 
 
 def layer_seconds(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:
-    """Seconds per layer and iteration at CPU shares x: the phases' own bounds, or the SSD
-    channel's time for all of the layer's traffic when that is longer."""
-    return max(sum(ph.count * ph.seconds_at(x) for ph in phases), channel_seconds(phases, x))
-
-
-def channel_seconds(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:
-    """Seconds the SSD channel needs per layer and iteration for all reads and writes."""
-    return sum(ph.count * ph.channel.at(x) for ph in phases)
+    """Seconds per layer and iteration at CPU shares x."""
+    return sum(ph.count * ph.seconds_at(x) for ph in phases)
 
 
 def ssd_bytes(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:

@@ -2,9 +2,8 @@
 
 Variables: x = (param, ckpt, opt) CPU shares in [0, 1] and one time per phase of the
 schedule (vertical: t_f, t_b). Rows: host memory (`snake.memory.host_memory`, exactly what
-the runtime allocates) <= the CPU budget, every resource bound of `planner.model`
-(compute, CPU Adam, host<->device, SSD reads) per phase, and the SSD channel over the whole
-layer (all reads and writes <= the sum of the phase times). Objective: per-layer time plus a small
+the runtime allocates) <= the CPU budget, and every resource bound of `planner.model`
+(compute, CPU Adam, host<->device, SSD) per phase. Objective: per-layer time plus a small
 penalty on SSD traffic, so that spare CPU memory still takes traffic off the SSD; in that
 penalty each SSD operation also counts OP_SECONDS, so that between placements of equal
 time and equal SSD bytes (checkpoints and optimizer states both move two bytes per byte
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from planner.model import KINDS, Phase, channel_seconds, layer_seconds, phases_for, ssd_bytes
+from planner.model import KINDS, Phase, layer_seconds, phases_for, ssd_bytes
 from planner.profile import MachineProfile
 from snake.config import Placement
 from snake.memory import LinearMemory, device_memory, host_memory
@@ -37,10 +36,8 @@ class Plan:
     """A resolved configuration and what the model predicts for it.
 
     placement: CPU shares (rest on SSD). layer_seconds: per phase name, seconds of one
-    occurrence of that phase for one layer (where the SSD channel binds over the layer, the
-    phases' own times stretched in proportion to fill it). binding: rows that are tight at
-    the optimum (`cpu_memory`, `compute_fwd`, `ssd_bwd`, `adam_bwd`, `h2d_fwd`,
-    `ssd_iteration`: the channel over the whole layer, ...).
+    occurrence of that phase for one layer. binding: rows that are tight at the optimum
+    (`cpu_memory`, `compute_fwd`, `ssd_bwd`, `adam_bwd`, `h2d_fwd`, ...).
     host_memory_bytes: what the runtime will allocate in host memory.
     ssd_bytes_per_iteration: SSD reads + writes per iteration, all layers."""
 
@@ -130,7 +127,7 @@ def _lp(
 ) -> highspy.HighsLp:
     """Columns: x_param, x_ckpt, x_opt, then one time per phase (scaled by t0). ckpt_in_cpu:
     x_ckpt is fixed at 1 (the model `mem` holds only there)."""
-    t0 = max(max(b.seconds for ph in phases for b in (*ph.bounds, ph.channel)), 1e-12)
+    t0 = max(max(b.seconds for ph in phases for b in ph.bounds), 1e-12)
     nx, nt = len(KINDS), len(phases)
     cost = np.zeros(nx + nt)
     starts, index, value, lower, upper = [0], [], [], [], []
@@ -138,22 +135,17 @@ def _lp(
         cost[nx + j] = ph.count
         for k in range(nx):  # every share kept in CPU memory is that share of operations less
             cost[k] -= SSD_PENALTY * ph.count * OP_SECONDS * ph.traffic.ssd_ops[k] / t0
-            cost[k] += SSD_PENALTY * ph.count * ph.channel.per_share[k] / t0
         for b in ph.bounds:
             cols = [nx + j] + [k for k in range(nx) if b.per_share[k] != 0.0]
             vals = [1.0] + [-b.per_share[k] / t0 for k in cols[1:]]
+            if b.name.startswith("ssd_"):
+                for k in cols[1:]:
+                    cost[k] += SSD_PENALTY * ph.count * b.per_share[k] / t0
             index += cols
             value += vals
             starts.append(len(index))
             lower.append(b.seconds / t0)
             upper.append(highspy.kHighsInf)
-    # the SSD channel over the whole layer: sum_j count_j t_j >= all reads and writes
-    index += [nx + j for j in range(nt)] + list(range(nx))
-    value += [float(ph.count) for ph in phases] + [
-        -sum(ph.count * ph.channel.per_share[k] for ph in phases) / t0 for k in range(nx)]
-    starts.append(len(index))
-    lower.append(sum(ph.count * ph.channel.seconds for ph in phases) / t0)
-    upper.append(highspy.kHighsInf)
     index += list(range(nx))
     value += [mem.per_share[k] / budget for k in KINDS]
     starts.append(len(index))
@@ -201,23 +193,16 @@ def make_plan(
     host = mem.at(*x)
     if host >= budget * (1 - 1e-5):
         binding.append("cpu_memory")
-    own = sum(ph.count * ph.seconds_at(x) for ph in phases)
-    if layer > own * (1 + TIGHT):  # the channel binds: the phases stretch together
-        binding.append("ssd_iteration")
-    else:
-        for ph in phases:
-            t = ph.seconds_at(x)
-            binding += [b.name for b in ph.bounds if b.at(x) >= t * (1 - TIGHT) and t > 0]
-        if layer <= channel_seconds(phases, x) * (1 + TIGHT) and layer > 0:
-            binding.append("ssd_iteration")
-    stretch = layer / own if own > 0 else 1.0
+    for ph in phases:
+        t = ph.seconds_at(x)
+        binding += [b.name for b in ph.bounds if b.at(x) >= t * (1 - TIGHT) and t > 0]
     return Plan(
         schedule=schedule, n_micro=n_micro, alpha=alpha,
         placement=Placement(param=x[0], ckpt=x[1], opt=x[2]),
         predicted_iteration_seconds=iteration,
         predicted_tokens_per_s=n_micro * shape.tokens_per_micro / iteration,
         binding=tuple(binding),
-        layer_seconds={ph.name: ph.seconds_at(x) * stretch for ph in phases},
+        layer_seconds={ph.name: ph.seconds_at(x) for ph in phases},
         host_memory_bytes=host,
         ssd_bytes_per_iteration=shape.n_layers * ssd_bytes(phases, x),
     )
