@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--fixed-only", action="store_true",
                     help="run only the fixed-placement pair and add it to the saved JSON")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
+    ap.add_argument("--cap-mb", type=float, default=CAP / 1e6,
+                    help="SSD cap of the capped pass in MB/s, reads and writes together (both schedules, profile "
+                         "and PyTorch-side roofline); 550 with --budget-mib 335 is BENCHMARKS.md's setting B")
     ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON (benchmarks/results/NAME.json)")
     ap.add_argument("--capped-only", action="store_true", help="only the capped SSD (no uncapped pass)")
     ap.add_argument("--link-mb", type=float, default=None,
@@ -245,7 +248,10 @@ def main() -> None:
     t_start = time.perf_counter()
 
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    caps: dict[str, float | None] = {"capped": CAP} if args.capped_only else {"capped": CAP, "uncapped": None}
+    if not args.cap_mb > 0:
+        raise SystemExit(f"--cap-mb {args.cap_mb}: must be > 0 (MB/s)")
+    ssd_cap = args.cap_mb * 1e6
+    caps: dict[str, float | None] = {"capped": ssd_cap} if args.capped_only else {"capped": ssd_cap, "uncapped": None}
     profiles = {}
     for label, cap in caps.items():
         profiles[label] = on_worker(
@@ -266,7 +272,7 @@ def main() -> None:
                                "everything_in_cpu_bytes": mem.at(1, 1, 1) + dev}
         print(f"{sched:10s} host bytes at M=1, alpha 0: params+ckpts in CPU, opt on SSD "
               f"{(mem.at(1, 1, 0) + dev) / 2**20:.0f} MiB; everything in CPU {(mem.at(1, 1, 1) + dev) / 2**20:.0f} MiB")
-    print(f"CPU memory budget (both schedules): {budget / 2**20:.0f} MiB; SSD cap {CAP / 1e6:.0f} MB/s"
+    print(f"CPU memory budget (both schedules): {budget / 2**20:.0f} MiB; SSD cap {ssd_cap / 1e6:.0f} MB/s"
           + ("" if link is None else f"; host<->device link cap {link / 1e6:.0f} MB/s per direction"), flush=True)
 
     plans: dict[str, dict[str, list[dict]]] = {lab: {"vertical": [], "horizontal": []} for lab in caps}
@@ -315,7 +321,7 @@ def main() -> None:
                         r = torch_run(cfg, activation_checkpointing=True, **common)
                     else:
                         r = snake_run(cfg, placement=Placement(**pj["placement"]), alpha=pj["alpha"], schedule="vertical",
-                                      cap=CAP, cpu_memory_bytes=budget, link=link, **common)
+                                      cap=ssd_cap, cpu_memory_bytes=budget, link=link, **common)
                     repeats[side][i].append(r)
                     print(f"roofline round {rnd} M={m:2d} {side:16s} {r['tokens_per_s']:7.1f} tok/s", flush=True)
 
@@ -329,7 +335,7 @@ def main() -> None:
         "budget_model": budget_model, "plans": plans,
         "min_io_bytes": min_io,
         "fixed_placement": {"param": PLACEMENT.param, "ckpt": PLACEMENT.ckpt, "opt": PLACEMENT.opt},
-        "fixed_alpha_vertical": ALPHA_V, "cap_bytes_per_s": CAP, "optimizer_state_bytes": opt_bytes,
+        "fixed_alpha_vertical": ALPHA_V, "cap_bytes_per_s": ssd_cap, "optimizer_state_bytes": opt_bytes,
         "profiles": {k: p.to_json() for k, p in profiles.items()}, "runs": runs, "Ms": ms,
         "seconds_total": time.perf_counter() - t_start,
     }
