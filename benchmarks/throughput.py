@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="CPU memory budget of both schedules")
     ap.add_argument("--cap-mb", type=float, default=CAP / 1e6,
                     help="SSD cap of the capped pass in MB/s, reads and writes together (both schedules, profile "
-                         "and PyTorch-side roofline); 550 with --budget-mib 335 is BENCHMARKS.md's setting B")
+                         "and PyTorch-side roofline); 650 with --budget-mib 330 is setting B of BENCHMARKS.md section 1")
     ap.add_argument("--reanalyze", action="store_true", help="recompute ratios from the saved JSON (benchmarks/results/NAME.json)")
     ap.add_argument("--capped-only", action="store_true", help="only the capped SSD (no uncapped pass)")
     ap.add_argument("--link-mb", type=float, default=None,
