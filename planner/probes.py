@@ -29,8 +29,8 @@ SSD_CHUNK = 8 * MiB
 COPY_BYTES = 64 * MiB  # larger than caches, so a CPU "copy" measures memory bandwidth
 SSD_SECONDS = 2.0  # at most this long per direction
 WARMUP = 2  # untimed runs before the timed ones
-# glibc serves an allocation this large or larger with mmap until a freed mmapped chunk
-# raises its threshold (M_MMAP_THRESHOLD's dynamic ceiling on 64-bit: 32 MiB)
+# glibc's mmap threshold starts at 128 KiB and rises to the size of a freed mmapped chunk, at
+# most this (the dynamic ceiling of M_MMAP_THRESHOLD on 64-bit); the trim threshold to twice it
 MMAP_THRESHOLD_MAX = 32 * MiB
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
