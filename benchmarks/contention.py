@@ -2,6 +2,8 @@
 
     python benchmarks/contention.py        # ~3 min on 2 cores
     python benchmarks/contention.py --op-cost 5 [--op-cost-m 8]   # part 3 only, ~1.5 min
+    python benchmarks/contention.py --slope 1.62 --m 8 --budget-mib 330 --cap-mb 650 --name contention_b
+        # part 2 only, at throughput.py's setting B crossing point (~2.5 min)
 
 On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
 the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
@@ -162,19 +164,19 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
             "compute_busy_s_per_iteration": kernels / steps}
 
 
-def part2(pairs: int, slope: float, ab: str | None) -> dict:
+def part2(pairs: int, slope: float, ab: str | None, m: int = 16, budget_mib: float = BUDGET_MIB,
+          cap: float = CAP) -> dict:
     cfg = gpt_config(8, 512, 32)
-    m = 16
-    budget = BUDGET_MIB * 2**20
+    budget = int(budget_mib * 2**20)
     SCRATCH.mkdir(parents=True, exist_ok=True)
     prof = on_worker(measure_profile, cfg, micro_batch_size=1, seq_len=32, device="cpu", offload_dir=SCRATCH,
-                     ssd_bandwidth_bytes_per_s=CAP, cache=False, io_bytes=192 << 20)
+                     ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=192 << 20)
     plan = search(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)),
                   schedule="vertical", n_micro=m)
     if isinstance(plan, Infeasible):
         raise SystemExit(plan.message)
     settings = {
-        "capped_planned": (plan.placement, plan.alpha, CAP, budget, None),
+        "capped_planned": (plan.placement, plan.alpha, cap, budget, None),
         "all_cpu": (Placement.all_cpu(), 0.0, None, None, None),
     }
     if ab is not None:  # the same with one of the runtime's CPU-device shortcuts off
@@ -194,7 +196,8 @@ def part2(pairs: int, slope: float, ab: str | None) -> dict:
                 placement, alpha, cap, bud, off = settings[key]
                 rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, off)))
         print("part 2 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
-    out: dict = {"model": "GPT 8 x 512, 16 micro-batches of 1 x 32 tokens", "plan": {
+    out: dict = {"model": f"GPT 8 x 512, {m} micro-batches of 1 x 32 tokens", "budget_mib": budget_mib,
+                 "cap_bytes_per_s": cap, "plan": {
         "placement": {k: getattr(plan.placement, k) for k in ("param", "ckpt", "opt")}, "alpha": plan.alpha},
         "rows": rows, "summary": {}}
     for key in settings:
@@ -272,7 +275,13 @@ def main() -> None:
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
     ap.add_argument("--op-cost-m", type=int, default=16, metavar="M", help="micro-batches for part 3")
+    ap.add_argument("--m", type=int, default=16, help="micro-batches for part 2")
+    ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="part 2's CPU memory budget")
+    ap.add_argument("--cap-mb", type=float, default=CAP / 1e6, help="part 2's SSD cap (MB/s)")
+    ap.add_argument("--name", default="contention", help="results file (benchmarks/results/NAME.json)")
     args = ap.parse_args()
+    if args.m < 1 or not args.budget_mib > 0 or not args.cap_mb > 0:
+        raise SystemExit("--m must be >= 1, --budget-mib and --cap-mb > 0")
     t0 = time.perf_counter()
     if args.op_cost:
         p3 = op_cost(args.op_cost, args.op_cost_m)
@@ -292,7 +301,7 @@ def main() -> None:
         print(f"{k:10s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f}  side thread "
               f"{v['side_share_measured']:.3f} of a core", flush=True)
     print(f"slowdown per share of one core taken (median): {p1['slope_median']:.2f}", flush=True)
-    p2 = part2(args.pairs, p1["slope_median"], args.ab)
+    p2 = part2(args.pairs, p1["slope_median"], args.ab, args.m, args.budget_mib, args.cap_mb * 1e6)
     for key, v in p2["summary"].items():
         print(f"{key}: machine cores by /proc/stat field " + ", ".join(
             f"{f} {c:.3f}" for f, c in v["machine_cores"].items() if f != "nice"))
@@ -307,7 +316,7 @@ def main() -> None:
         for g, c in sorted(v["threads"].items(), key=lambda kv: -kv[1]["cores"]):
             print(f"    {g:32s} {c['cores']:.3f} cores, run-queue wait {c['runqueue_wait']:.3f}")
     result = {"machine": machine(), "part1": p1, "part2": p2, "seconds_total": time.perf_counter() - t0}
-    print(save("contention", result))
+    print(save(args.name, result))
 
 
 if __name__ == "__main__":
