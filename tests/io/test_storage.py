@@ -67,3 +67,25 @@ def test_bandwidth_cap(tmp_path):
     f.close()
     assert elapsed >= 0.8 * (4 * 2**20 - TokenBucket(rate).burst) / rate
     assert "cap" in f.backend
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding `addr`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_large_host_buffers_ask_for_huge_pages():
+    # O_DIRECT pins every page of its buffer: 2 MiB pages cut the kernel's share ~4x.
+    # "hg" is the madvise(MADV_HUGEPAGE) flag, set whatever the system's THP mode is.
+    big, small = alloc_host(8 << 20, pin=False), alloc_host(64 << 10, pin=False)
+    assert "hg" in _vm_flags(big.data.data_ptr())
+    assert "hg" not in _vm_flags(small.data.data_ptr())
