@@ -215,10 +215,12 @@ def peak_rss_mib() -> float:
 
 
 def save(name: str, result: dict[str, Any]) -> Path:
+    """Write benchmarks/results/NAME.json; returns its path relative to the repository (what
+    the scripts print, so their logs name no directory outside it)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    return path
+    return path.relative_to(ROOT)
 
 
 def figure(nrows: int = 1, ncols: int = 1, size=(7, 4.5)):
