@@ -55,7 +55,7 @@ class Traffic:
     would move if that kind lived entirely on SSD (scaled by 1 - x_k). ssd_ops: how many
     SSD reads and writes of each kind that takes (a unit is one operation each way: a
     layer's checkpoints are n small ones, its optimizer states one large one, two with a
-    delayed share; the runtime's count, tests/planner/test_plan_solve.py)."""
+    delayed share; checked against a traced run in tests/test_planned.py)."""
 
     compute_seconds: float
     adam_elems: float

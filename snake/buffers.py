@@ -38,6 +38,9 @@ class HostBuffer:
         return memoryview(arr)[: align_up(nbytes)]
 
 
+HUGE_PAGE = 2 << 20  # host buffers this large or larger ask for transparent huge pages
+
+
 def alloc_host(nbytes: int, *, pin: bool) -> HostBuffer:
     """An aligned host buffer of at least `nbytes` (rounded up to ALIGN)."""
     n = max(align_up(nbytes), ALIGN)
@@ -50,9 +53,6 @@ def alloc_host(nbytes: int, *, pin: bool) -> HostBuffer:
         advise_huge_pages(m)
     t = torch.frombuffer(m, dtype=torch.uint8)
     return HostBuffer(t, m)
-
-
-HUGE_PAGE = 2 << 20
 
 
 def advise_huge_pages(m: mmap.mmap) -> None:
