@@ -92,6 +92,7 @@ class Compute(Actor):
         on_step: Callable[[StepReport], None] | None = None,
     ) -> None:
         super().__init__(engine.tracer)
+        self._inflight = 0  # jobs handed to the compute thread and not yet done there
         self.e = engine
         self.inbox = inbox
         self.d2h = d2h
@@ -141,6 +142,8 @@ class Compute(Actor):
 
     # -- queued jobs --------------------------------------------------------------------
     async def _start(self, parts: list[_Part]) -> _Job:
+        if self.busy is None:  # as Actor.work: busy from before the fault hook on
+            self.busy = (parts[0].label, self.tracer.now())
         if self.fault_hook is not None:
             for part in parts:
                 await self.fault_hook(self.name, part.label)
@@ -157,9 +160,16 @@ class Compute(Actor):
             return out
 
         fut = asyncio.get_running_loop().run_in_executor(self.e.executors["compute"], call)
-        if self.busy is None:
-            self.busy = (parts[0].label, now())
+        self._inflight += 1
+        fut.add_done_callback(self._job_done)
         return _Job(parts, fut)
+
+    def _job_done(self, _: asyncio.Future) -> None:
+        # a finished job the actor has not collected yet (it may be waiting for the next
+        # one's inputs) is not work in progress: the watchdog must not blame it for a stall
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.busy = None
 
     async def _finish(self, job: _Job, pending: deque[_Job], t: int, layer: int) -> list[Any]:
         self.at(t, layer, job.parts[-1].m)
@@ -169,7 +179,7 @@ class Compute(Actor):
             for part in job.parts:
                 if part.times[1]:
                     self.tracer.add(self.name, part.label, part.times[0], part.times[1])
-            self.busy = (pending[0].parts[0].label, self.tracer.now()) if pending else None
+            self.busy = (pending[0].parts[0].label, self.tracer.now()) if pending and self._inflight else None
 
     async def _drain(self, pending: deque[_Job]) -> None:
         """After a failure or cancellation: let queued jobs finish (they use the stage's
