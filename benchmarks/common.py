@@ -67,6 +67,11 @@ def gpt_config(n_layer: int, n_embd: int, seq: int, vocab: int = 256) -> GPTConf
                      vocab_size=vocab, block_size=seq)
 
 
+def default_device() -> str:
+    """What the benchmarks run on unless told: the GPU where there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(cfg)
@@ -107,7 +112,7 @@ async def snake_run_async(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
     placement: Placement | None, alpha: float | None, schedule: str = "vertical",
     cap: float | None = None, cpu_memory_bytes: int | None = None, seed: int = 0,
-    probe=None, link: float | None = None,
+    probe=None, link: float | None = None, device: str = "cpu",
 ) -> dict[str, Any]:
     """One trainer, `steps` iterations; step 0 is discarded. `probe`: an async callable
     started next to run() (for loop-lag measurements); its result goes in out['probe']."""
@@ -116,7 +121,7 @@ async def snake_run_async(
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(
             micro_batches=micro_batches, offload_dir=d, placement=placement, alpha=alpha,
-            schedule=schedule, device="cpu", ssd_bandwidth_bytes_per_s=cap,
+            schedule=schedule, device=device, ssd_bandwidth_bytes_per_s=cap,
             cpu_memory_bytes=cpu_memory_bytes, seed=seed, device_link_bytes_per_s=link,
         )
         async with SnakeTrainer(model, data=data, config=conf) as t:
@@ -135,7 +140,7 @@ async def snake_run_async(
     tokens = report.steps[-1].tokens
     it = statistics.median(secs)
     return {
-        "schedule": schedule, "micro_batches": micro_batches, "cap_bytes_per_s": cap,
+        "schedule": schedule, "micro_batches": micro_batches, "cap_bytes_per_s": cap, "device": device,
         "placement": {k: getattr(resolved.placement, k) for k in ("param", "ckpt", "opt")},
         "alpha": resolved.alpha,
         "step_seconds": [s.seconds for s in report.steps], "iteration_seconds": stats(secs),
@@ -169,18 +174,23 @@ def torch_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
 
 def torch_loop(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
-    activation_checkpointing: bool, seed: int = 0,
+    activation_checkpointing: bool, seed: int = 0, device: str = "cpu",
 ) -> dict[str, Any]:
     """Plain in-memory PyTorch: gradient accumulation over micro-batches + torch.optim.AdamW
-    (fused where the build has it), optionally torch.utils.checkpoint per block."""
-    model = make_model(cfg, seed)
-    data = make_batches(cfg, micro_batches * micro_batch_size, seq, steps)
+    (fused where the build has it), optionally torch.utils.checkpoint per block. On CUDA the
+    model, its optimizer states and the batches live on the GPU (the in-memory baseline) and
+    each timestamp waits for the GPU."""
+    dev = torch.device(device)
+    model = make_model(cfg, seed).to(dev)
+    data = [(x.to(dev), y.to(dev)) for x, y in make_batches(cfg, micro_batches * micro_batch_size, seq, steps)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_s, fb_s, opt_s, losses = [], [], [], []
     for x, y in data:
+        sync()
         t0 = time.perf_counter()
         total = 0.0
         for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
@@ -191,9 +201,11 @@ def torch_loop(
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yi.reshape(-1)) / micro_batches
             loss.backward()
             total += float(loss.detach())
+        sync()
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         t2 = time.perf_counter()
         step_s.append(t2 - t0)
         fb_s.append(t1 - t0)
@@ -203,6 +215,7 @@ def torch_loop(
     tokens = micro_batches * micro_batch_size * seq
     return {
         "schedule": "torch+ckpt" if activation_checkpointing else "torch", "micro_batches": micro_batches,
+        "device": device,
         "step_seconds": step_s, "iteration_seconds": stats(step_s[1:]),
         "fwd_bwd_seconds": stats(fb_s[1:]), "fwd_bwd_step_seconds": fb_s, "optimizer_seconds": stats(opt_s[1:]),
         "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,

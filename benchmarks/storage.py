@@ -31,12 +31,12 @@ MiB = 1 << 20
 BS = MiB
 
 
-def snake_bw(directory: Path, size: int, threads: int) -> dict[str, float]:
+def snake_bw(directory: Path, size: int, threads: int, backend: str = "auto") -> dict[str, float]:
     """(write, read) bytes/s of open_storage over `size` bytes, `threads` threads each
     owning a contiguous 1/threads of the file."""
     path = directory / "snake-storage.bin"
-    f = open_storage(path, size)
-    backend = f.backend
+    f = open_storage(path, size, backend=backend)  # type: ignore[arg-type]
+    used = f.backend
     part = size // threads
     out = {}
     try:
@@ -59,7 +59,7 @@ def snake_bw(directory: Path, size: int, threads: int) -> dict[str, float]:
     finally:
         f.close()
         path.unlink(missing_ok=True)
-    out["backend"] = backend
+    out["backend"] = used
     return out
 
 
@@ -83,7 +83,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--backend", default="auto", choices=("auto", "posix", "buffered", "kvikio"),
+                    help="snake's storage backend to measure (auto: O_DIRECT where the file system takes it; "
+                         "kvikio needs CUDA and its driver)")
+    ap.add_argument("--name", default=None, help="results file name (default storage, or storage_quick)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
     size = (64 if args.quick else 256) * MiB
     rounds = 1 if args.quick else args.rounds
     fio = shutil.which("fio")
@@ -100,7 +106,7 @@ def main() -> None:
         d = Path(d)
         for _ in range(rounds):
             for threads in (1, 2):
-                row = {"threads": threads, "snake": snake_bw(d, size, threads)}
+                row = {"threads": threads, "snake": snake_bw(d, size, threads, args.backend)}
                 if fio:
                     row["fio"] = fio_bw(fio, d, size, threads)
                 res["rounds"].append(row)
@@ -132,7 +138,7 @@ def main() -> None:
     res["summary"] = summary
     res["target"] = "snake >= 0.9 x fio"
     res["seconds_total"] = time.perf_counter() - t_start
-    name = "storage_quick" if args.quick else "storage"
+    name = args.name or ("storage_quick" if args.quick else "storage")
     print(save(name, res))
     print(json.dumps(summary, indent=1))
 

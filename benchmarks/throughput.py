@@ -28,9 +28,11 @@ import argparse
 import statistics
 import time
 
+import torch
 from common import (  # type: ignore[import-not-found]
     RESULTS,
     SCRATCH,
+    default_device,
     figure,
     gpt_config,
     machine,
@@ -218,6 +220,12 @@ def main() -> None:
                     help="capped vertical / PyTorch+ckpt pairs per M for the roofline ratio: the main "
                          "sweep's, then (rounds - 1) more, back to back, the order alternating")
     ap.add_argument("--name", default="throughput", help="results file name (benchmarks/results/NAME.json)")
+    ap.add_argument("--device", default=None,
+                    help="cpu or cuda (default: cuda where there is a GPU, else cpu); the same on every side")
+    ap.add_argument("--layers", type=int, default=N_LAYER, help="GPT blocks (default 8)")
+    ap.add_argument("--width", type=int, default=512, help="GPT width n_embd (default 512; heads of 64)")
+    ap.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     ap.add_argument("--ms", default="1,2,4,8,16,32",
                     help="micro-batches per iteration to sweep (the issue's 1..16, plus 32 to see "
                          "where horizontal saturates)")
@@ -244,7 +252,13 @@ def main() -> None:
         print_summary(result)
         finish("throughput", result)
         return
-    L, C, T, MB = N_LAYER, 512, 32, 1
+    for flag in ("layers", "width", "seq", "micro_batch_size", "steps", "roof_rounds"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    device = args.device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device here; use --device cpu")
+    L, C, T, MB = args.layers, args.width, args.seq, args.micro_batch_size
     ms = [1, 2] if args.quick else [int(x) for x in args.ms.split(",")]
     steps = 2 if args.quick else args.steps
     cfg = gpt_config(L, C, T)
@@ -260,7 +274,7 @@ def main() -> None:
     profiles = {}
     for label, cap in caps.items():
         profiles[label] = on_worker(
-            measure_profile, cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
+            measure_profile, cfg, micro_batch_size=MB, seq_len=T, device=device, offload_dir=SCRATCH,
             ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=(64 if args.quick else 192) << 20,
         )
     opt_bytes = L * cfg.block_params() * OPT_BYTES_PER_ELEM
@@ -284,7 +298,7 @@ def main() -> None:
     min_io: dict[str, list[float]] = {lab: [] for lab in caps}
     runs: dict[str, list[dict]] = {}
     for m in ms:
-        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps)
+        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, device=device)
         for label, cap in caps.items():
             prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget,
                                                              device_link_bytes_per_s=link))
@@ -318,7 +332,7 @@ def main() -> None:
     if "capped" in caps:
         for rnd in range(1, 1 if args.quick else args.roof_rounds):
             for i, m in enumerate(ms):
-                common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps)
+                common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, device=device)
                 pj = plans["capped"]["vertical"][i]
                 order = ("torch+ckpt", "vertical_capped") if rnd % 2 else ("vertical_capped", "torch+ckpt")
                 for side in order:
@@ -332,7 +346,8 @@ def main() -> None:
 
     result = {
         "roof_repeats": repeats,
-        "machine": machine(), "model": {"n_layer": L, "n_embd": C, "seq": T, "micro_batch_size": MB,
+        "machine": machine(), "device": device,
+        "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None, "model": {"n_layer": L, "n_embd": C, "seq": T, "micro_batch_size": MB,
                                           "block_params": cfg.block_params(),
                                           "params": cfg.num_params(),
                                           "flops_per_token": model_flops_per_token(cfg, T)},
@@ -347,7 +362,7 @@ def main() -> None:
     analyze(result)
     print_summary(result)
     print(f"total {result['seconds_total']:.0f} s")
-    finish("throughput_quick" if args.quick else args.name, result)
+    finish(f"{args.name}_quick" if args.quick else args.name, result)
 
 
 def run_fixed(cfg, runs: dict, m: int, label: str, cap: float | None, common: dict) -> None:
