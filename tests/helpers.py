@@ -23,10 +23,13 @@ def batches(n: int, batch: int, seq: int = 16, vocab: int = 96, seed: int = 1) -
     return out
 
 
-def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01):
-    """Plain PyTorch: gradient accumulation over micro-batches (loss / M) + torch AdamW."""
-    m = copy.deepcopy(model)
+def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
+              device: str = "cpu"):
+    """Plain PyTorch: gradient accumulation over micro-batches (loss / M) + torch AdamW, on
+    `device` (the returned state dict is on the CPU)."""
+    m = copy.deepcopy(model).to(device)
     m.train()
+    data = [(x.to(device), y.to(device)) for x, y in data]
     opt = torch.optim.AdamW(m.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
     losses = []
     for x, y in data:
@@ -40,7 +43,7 @@ def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 
             total += loss.item()
         opt.step()
         losses.append(total)
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}, losses
+    return {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}, losses
 
 
 async def train(model, data, steps: int, **config):
