@@ -222,12 +222,14 @@ def solve(
     workers: CPU optimizer workers (they size the runtime's staging pools). placement: fix
     the shares instead of choosing them (the LP then only predicts and checks memory)."""
     _check(alpha, n_micro, schedule)
-    mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers)
+    staging = profile.device == "cuda"  # horizontal's pinned gradient staging buffer
+    mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
+                      grad_staging=staging)
     # Checkpoints are whole units (snake.stores.cpu_units): with all of them in CPU memory
     # there are no checkpoint staging pools, which the general (linear) model cannot drop at
     # share 1, so that case is solved with its own exact model and the better plan is kept.
     mem_ckpt = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                           ckpt_in_cpu=True)
+                           ckpt_in_cpu=True, grad_staging=staging)
     budget, _ = host_budget(profile, n_micro)
     phases = phases_for(profile, n_micro, alpha, schedule)
 

@@ -190,7 +190,9 @@ class Engine:
         """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers
         for the now-step, plus room per layer for the delayed (alpha) share until the next
         iteration's forward (`_delayed_room`). Horizontal: an fp32 accumulator per layer
-        (ZeRO-Infinity style; the delayed share stays in it until it is stepped)."""
+        (ZeRO-Infinity style; the delayed share stays in it until it is stepped). On CUDA,
+        horizontal also has one pinned layer buffer (`grad_staging`) that each micro-batch's
+        gradient crosses on the copy stream before it is added to the accumulator."""
         n_del = self.part_sizes[DELAYED]
         if self.vertical:
             self.grad_host: BufferPool[torch.Tensor] | None = BufferPool(
@@ -203,6 +205,12 @@ class Engine:
             self.grad_host = None
             self.delayed_grads = []
             self.accumulators = [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(self.N)]
+        # a pageable `.to("cpu")` of each micro-batch's gradient allocated (and faulted in)
+        # 4 bytes per parameter on every call and ran on the compute stream: horizontal on
+        # an H100 spent ~1.6 s per extra micro-batch there (BENCHMARKS.md section 8)
+        self.grad_staging: torch.Tensor | None = (
+            alloc_host_tensor(self.P, torch.float32, pin=True) if self.pin and not self.vertical else None
+        )
 
     def _delayed_room(self, layer: int, n: int) -> list[torch.Tensor]:
         """fp32 room for `n` delayed gradient elements of `layer`, as consecutive pieces.

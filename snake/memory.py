@@ -66,6 +66,7 @@ def host_memory(
     workers: int,
     pools: PoolSizes = PoolSizes(),
     ckpt_in_cpu: bool = False,
+    grad_staging: bool = False,
 ) -> LinearMemory:
     """Host bytes the runtime holds for a placement, linear in the CPU shares.
 
@@ -79,7 +80,10 @@ def host_memory(
 
     ckpt_in_cpu: the model for every checkpoint in CPU memory (valid at ckpt share 1 only):
     no checkpoint staging pools, so exact there, where the general model's bound on the
-    pools (which a linear model cannot drop at share 1) would still charge a few units."""
+    pools (which a linear model cannot drop at share 1) would still charge a few units.
+
+    grad_staging: horizontal on CUDA also holds one pinned fp32 layer buffer that each
+    micro-batch's gradient is copied into before it is added to the layer's accumulator."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
     param_total = n * p * db
     ckpt_total = n * n_micro * c * db
@@ -106,7 +110,7 @@ def host_memory(
         grads = pools.grad_buffers * p * 4 + alpha * n * p * 4
         per_share["param"] -= alpha * n * p * db
     else:
-        grads = n * p * 4
+        grads = (n + (1 if grad_staging else 0)) * p * 4
     resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
     fixed = tails + act_grads + grads + resident + 16 * ALIGN
     return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)

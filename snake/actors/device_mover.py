@@ -236,11 +236,16 @@ class DeviceToHost(Actor):
             return
         acc = e.accumulators[msg.layer]
 
+        staging = e.grad_staging  # one buffer: the copy executor has one thread
+
         def accumulate() -> None:
             if msg.first:
                 self.copier.copy([(acc, msg.buf)])
+            elif staging is None:  # CPU device: the gradient is in host memory already
+                acc.add_(msg.buf)
             else:
-                acc.add_(msg.buf.to("cpu", non_blocking=False))
+                self.copier.copy([(staging, msg.buf)])
+                acc.add_(staging)
 
         try:
             await e.link_wait("gpu->cpu", nbytes)

@@ -293,3 +293,20 @@ def test_checkpoints_all_in_cpu_use_their_exact_memory_model():
     assert x is not None and x[1] < 1.0 - 1e-6
     only = LP.make_plan(tight, phases, general, budget, tuple(x), n_micro=n, alpha=0.0, schedule="vertical")
     assert only.predicted_iteration_seconds > plan.predicted_iteration_seconds
+
+
+def test_horizontal_on_cuda_charges_its_gradient_staging_buffer():
+    """On CUDA horizontal copies each micro-batch's gradient into one pinned fp32 layer buffer
+    before adding it to the layer's accumulator: the memory model and the planner count it,
+    on CUDA and for horizontal only."""
+    p = synthetic_profile(cpu_memory_bytes=1 * GiB)
+    layer_fp32 = p.shape.layer_params * 4
+    for schedule, extra in (("horizontal", layer_fp32), ("vertical", 0)):
+        with_ = host_memory(p.shape, n_micro=2, alpha=0.0, schedule=schedule, workers=2, grad_staging=True)
+        without = host_memory(p.shape, n_micro=2, alpha=0.0, schedule=schedule, workers=2)
+        assert with_.fixed_bytes - without.fixed_bytes == extra
+        assert with_.per_share == without.per_share
+    need = host_memory(p.shape, n_micro=1, alpha=0.0, schedule="horizontal", workers=2, grad_staging=True)
+    r = solve(p, n_micro=1, alpha=0.0, schedule="horizontal")
+    assert isinstance(r, Infeasible)
+    assert r.short_by == pytest.approx(need.fixed_bytes - 1 * GiB)
