@@ -73,14 +73,37 @@ def plan_json(plan) -> dict:
 
 
 def min_opt_ssd_bytes(profile, budget: float, m: int, opt_bytes: float) -> float:
-    """SSD bytes per iteration that no vertical placement under the budget avoids: the
-    optimizer states that do not fit with params and checkpoints in CPU memory at alpha 0
-    (checkpoints on SSD where that frees room), read and written once."""
-    mem = host_memory(profile.shape, n_micro=m, alpha=0.0, schedule="vertical", workers=2)
+    """SSD bytes per iteration that no vertical placement under the budget avoids (alpha 0,
+    parameters in CPU memory): what of the optimizer states and checkpoints does not fit next
+    to the parameters is written and read once per iteration. Both kinds free room at the
+    same traffic per byte, so the bound is the cheaper end: checkpoints all in CPU memory
+    (their exact model, no staging pools) with the optimizer states in what is left, or all
+    on SSD with their own traffic counted. (Before, the second end left the checkpoints'
+    traffic out: harmless for 64 KiB checkpoints, but at seq 512 on a GPU it put the bound
+    at 0.6 of the best plan's SSD bytes, BENCHMARKS.md section 8.)"""
     room, _ = host_budget(with_budgets(profile, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)), m)
-    ck = 1.0 if mem.per_share["ckpt"] < 0 else 0.0
-    o = (room - mem.at(1.0, ck, 0.0)) / mem.per_share["opt"]
-    return 2 * opt_bytes * (1 - min(1.0, max(0.0, o)))
+    sh = profile.shape
+    ckpt_bytes = sh.n_layers * m * sh.ckpt_elems * sh.dtype_bytes
+    best = float("inf")
+    for ck, exact in ((1.0, True), (0.0, False)):
+        mem = host_memory(sh, n_micro=m, alpha=0.0, schedule="vertical", workers=2, ckpt_in_cpu=exact)
+        o = min(1.0, max(0.0, (room - mem.at(1.0, ck, 0.0)) / mem.per_share["opt"]))
+        best = min(best, 2 * opt_bytes * (1 - o) + 2 * ckpt_bytes * (1 - ck))
+    return best
+
+
+def recompute_min_io(result: dict) -> None:
+    """The I/O roofline's bytes from the stored profiles with the current `min_opt_ssd_bytes`
+    (results saved before it counted checkpoint traffic keep their old ones until reanalyzed)."""
+    from planner.profile import MachineProfile
+
+    budget = result.get("cpu_memory_budget_bytes")
+    if not budget:
+        return
+    for label, pj in result["profiles"].items():
+        prof = MachineProfile.from_json(pj)
+        result["min_io_bytes"][label] = [min_opt_ssd_bytes(prof, budget, m, result["optimizer_state_bytes"])
+                                         for m in result["Ms"]]
 
 
 def rooflines(result: dict, io_bytes_at) -> dict[str, list[dict]]:
@@ -233,6 +256,7 @@ def main() -> None:
     if args.reanalyze:
         import json
         result = json.loads((RESULTS / f"{args.name}.json").read_text())
+        recompute_min_io(result)
         analyze(result)
         print_summary(result)
         finish(args.name, result)

@@ -115,3 +115,27 @@ def test_benchmarks_measure_profiles_off_the_main_thread():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in heavy:
                 direct.append(f"{path.name}:{node.lineno} {node.func.id}")
     assert direct == []
+
+
+@pytest.mark.parametrize("m", [4, 16, 32])
+def test_io_roofline_counts_checkpoint_traffic(m):
+    """The I/O roofline's bytes are a lower bound on the SSD bytes of every vertical plan
+    under the budget, checkpoint traffic included: the planner's best plan moves no fewer,
+    and (I/O-bound, 16 MB checkpoints) no more than 5 % more (the bound without the
+    checkpoints' own traffic was far below it)."""
+    from planner import search
+    from planner.integrate import with_budgets
+    from snake import SnakeConfig
+    from snake.memory import OPT_BYTES_PER_ELEM, host_memory
+    from tests.planner.conftest import GiB, synthetic_profile
+
+    throughput = importlib.import_module("throughput")
+    p = synthetic_profile(cpu_memory_bytes=40 * GiB, ssd_read_bytes_per_s=0.3e9, ssd_write_bytes_per_s=0.3e9)
+    # room for the parameters, 16 micro-batches' checkpoints and half the optimizer states
+    budget = int(host_memory(p.shape, n_micro=16, alpha=0.0, schedule="vertical", workers=2, ckpt_in_cpu=True).at(1, 1, 0.5))
+    opt_bytes = p.shape.n_layers * p.shape.layer_params * OPT_BYTES_PER_ELEM
+    bound = throughput.min_opt_ssd_bytes(p, budget, m, opt_bytes)
+    plan = search(with_budgets(p, SnakeConfig(offload_dir=".", cpu_memory_bytes=budget)), schedule="vertical", n_micro=m)
+    assert bound > 0
+    assert bound <= plan.ssd_bytes_per_iteration * (1 + 1e-9)
+    assert plan.ssd_bytes_per_iteration <= 1.05 * bound
