@@ -1,4 +1,4 @@
-"""Where compute time goes on a CPU "device", side by side in one process:
+"""Where compute time goes on a CPU "device" (parts 1 and 2 also on CUDA: --device cuda), side by side in one process:
 
 1. per block: snake's forward and recompute+backward kernels (`snake.kernels.Kernels`, as
    the compute actor calls them) against a plain PyTorch block forward and a
@@ -16,6 +16,7 @@
 (actors, executor hops, mover and optimizer threads on the same cores) does.
 
     python benchmarks/kernels.py [--rounds 4] [--seq 32] [--mbs 1] [--ab-rounds 3] [--name kernels]   # ~2.5 min here
+    python benchmarks/kernels.py --device cuda --layers 8 --width 2048 --seq 512 --m 16 --rounds 3   # on a GPU: parts 1-2
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from common import (
     SCRATCH,
+    default_device,
     gpt_config,
     machine,
     make_batches,
@@ -53,22 +55,26 @@ from snake.adapters import describe
 from snake.kernels import Kernels
 
 
-def per_block(cfg, seq: int, mbs: int, rounds: int) -> dict[str, float]:
+def per_block(cfg, seq: int, mbs: int, rounds: int, device: str = "cpu") -> dict[str, float]:
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # snake's kernels sync themselves
     model = make_model(cfg)
-    k = Kernels(describe(model), SnakeConfig(offload_dir=".", micro_batches=1), torch.device("cpu"), 1)
-    blk = model.blocks[0]
+    k = Kernels(describe(model), SnakeConfig(offload_dir=".", micro_batches=1), dev, 1)
+    blk = model.blocks[0].to(dev)
     slot = torch.cat([p.detach().reshape(-1) for p in blk.parameters()])
     acc = torch.zeros_like(slot)
-    x = torch.randn(mbs, seq, cfg.n_embd)
+    x = torch.randn(mbs, seq, cfg.n_embd, device=dev)
     gy = torch.randn_like(x)
     xr = x.clone().requires_grad_(True)
 
     def torch_fwd() -> None:
         with torch.no_grad():
             blk(xr)
+        sync()
 
     def torch_ckpt() -> None:
         checkpoint(blk, xr, use_reentrant=False).backward(gy)
+        sync()
 
     fns = {
         "snake_fwd": lambda: k.block_fwd(slot, x, 0, 0, 0),
@@ -91,13 +97,15 @@ def per_block(cfg, seq: int, mbs: int, rounds: int) -> dict[str, float]:
     return out
 
 
-def sequential_iteration(cfg, m: int, mbs: int, seq: int) -> Callable[[], None]:
-    """snake's kernels in vertical order for one iteration, on the calling thread."""
+def sequential_iteration(cfg, m: int, mbs: int, seq: int, device: str = "cpu") -> Callable[[], None]:
+    """snake's kernels in vertical order for one iteration, on the calling thread (each
+    kernel call waits for the device, as in the runtime)."""
+    dev = torch.device(device)
     model = make_model(cfg)
-    k = Kernels(describe(model), SnakeConfig(offload_dir=".", micro_batches=m), torch.device("cpu"), m)
-    slots = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in model.blocks]
+    k = Kernels(describe(model), SnakeConfig(offload_dir=".", micro_batches=m), dev, m)
+    slots = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]).to(dev) for b in model.blocks]
     accs = [torch.zeros_like(s) for s in slots]
-    x, y = make_batches(cfg, m * mbs, seq, 1)[0]
+    x, y = (t.to(dev) for t in make_batches(cfg, m * mbs, seq, 1)[0])
     xs, ys = x.chunk(m), y.chunk(m)
     n = len(slots)
 
@@ -122,10 +130,10 @@ def sequential_iteration(cfg, m: int, mbs: int, seq: int) -> Callable[[], None]:
     return run
 
 
-async def runtime_iteration(cfg, m: int, mbs: int, seq: int, steps: int) -> float:
+async def runtime_iteration(cfg, m: int, mbs: int, seq: int, steps: int, device: str = "cpu") -> float:
     model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m * mbs, seq, steps)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
-        conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0, device="cpu")
+        conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0, device=device)
         async with SnakeTrainer(model, data=data, config=conf) as t:
             rep = await t.run(steps)
     return statistics.median(s.seconds for s in rep.steps[1:])
@@ -197,7 +205,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration in parts 2 and 3")
-    ap.add_argument("--ab-rounds", type=int, default=3, help="fresh-process pairs in part 3")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="fresh-process pairs in part 3 (CPU device only)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is a GPU)")
+    ap.add_argument("--layers", type=int, default=4, help="GPT blocks in part 2 (default 4)")
+    ap.add_argument("--width", type=int, default=512, help="GPT width (default 512)")
     ap.add_argument("--name", default="kernels", help="results file name (benchmarks/results/<name>.json)")
     ap.add_argument("--child", choices=("limited", "unlimited", "extra_team"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -205,13 +216,19 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    cfg = gpt_config(4, 512, args.seq)
-    blocks = on_worker(lambda: per_block(cfg, args.seq, args.mbs, args.rounds))
+    device = args.device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device here; use --device cpu")
+    for flag in ("rounds", "seq", "mbs", "m", "layers", "width"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    cfg = gpt_config(args.layers, args.width, args.seq)
+    blocks = on_worker(lambda: per_block(cfg, args.seq, args.mbs, args.rounds, device))
     print({k: round(v, 3) for k, v in blocks.items()}, flush=True)
-    seq_run = on_worker(lambda: sequential_iteration(cfg, args.m, args.mbs, args.seq))
+    seq_run = on_worker(lambda: sequential_iteration(cfg, args.m, args.mbs, args.seq, device))
     rows: dict[str, list[float]] = {"sequential_kernels": [], "runtime": [], "torch_ckpt": []}
     for _ in range(args.rounds):
-        rows["runtime"].append(asyncio.run(runtime_iteration(cfg, args.m, args.mbs, args.seq, 5)))
+        rows["runtime"].append(asyncio.run(runtime_iteration(cfg, args.m, args.mbs, args.seq, 5, device)))
 
         def seq_time() -> float:
             seq_run()
@@ -224,13 +241,14 @@ def main() -> None:
 
         rows["sequential_kernels"].append(on_worker(seq_time))
         r = on_worker(lambda: torch_loop(cfg, micro_batches=args.m, micro_batch_size=args.mbs, seq=args.seq,
-                                         steps=4, activation_checkpointing=True))
+                                         steps=4, activation_checkpointing=True, device=device))
         rows["torch_ckpt"].append(r["iteration_seconds"]["median"])
         print({k: round(v[-1], 3) for k, v in rows.items()}, flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
-        "machine": machine(), "model": {"n_layer": 4, "n_embd": 512, "seq": args.seq, "micro_batch_size": args.mbs,
-                                          "micro_batches": args.m},
+        "machine": machine(), "device": device,
+        "model": {"n_layer": args.layers, "n_embd": args.width, "seq": args.seq, "micro_batch_size": args.mbs,
+                  "micro_batches": args.m},
         "per_block": blocks, "iteration_seconds": rows, "median_seconds": med,
         "torch_ckpt_over_sequential_kernels": med["torch_ckpt"] / med["sequential_kernels"],
         "torch_ckpt_over_runtime": med["torch_ckpt"] / med["runtime"],
@@ -238,7 +256,7 @@ def main() -> None:
     print(f"iteration s (median of {args.rounds}): sequential kernels {med['sequential_kernels']:.3f}, "
           f"runtime {med['runtime']:.3f}, torch+ckpt {med['torch_ckpt']:.3f}; torch/sequential "
           f"{result['torch_ckpt_over_sequential_kernels']:.2f}, torch/runtime {result['torch_ckpt_over_runtime']:.2f}")
-    if args.ab_rounds < 1:  # part 3 skipped
+    if args.ab_rounds < 1 or device != "cpu":  # part 3 skipped (it is about a CPU device's threads)
         print(save(args.name, result))
         return
     ab = helper_threads_ab(args)
