@@ -72,6 +72,28 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def add_model_args(ap, *, layers: int, width: int, seq: int) -> None:  # type: ignore[no-untyped-def]
+    """--device, --layers, --width, --seq on a script's parser (its CPU-scale model as defaults)."""
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is a GPU, else cpu)")
+    ap.add_argument("--layers", type=int, default=layers, help=f"GPT blocks (default {layers})")
+    ap.add_argument("--width", type=int, default=width, help=f"GPT width n_embd, heads of 64 (default {width})")
+    ap.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
+
+
+def checked_device(args, positive: tuple[str, ...] = ()) -> str:  # type: ignore[no-untyped-def]
+    """The device the parsed `args` ask for (`add_model_args`), after checking it and that the
+    model flags and `positive` (more int flags) are >= 1; exits with the flag and the fix."""
+    for flag in ("layers", "width", "seq", *positive):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    device = args.device or default_device()
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise SystemExit(f"--device {device}: must be cpu or cuda[:N]")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device here; use --device cpu")
+    return device
+
+
 def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(cfg)

@@ -20,6 +20,8 @@ import time
 from common import (  # type: ignore[import-not-found]
     RESULTS,
     SCRATCH,
+    add_model_args,
+    checked_device,
     figure,
     gpt_config,
     machine,
@@ -44,15 +46,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    add_model_args(ap, layers=4, width=512, seq=32)
     args = ap.parse_args()
+    device = checked_device(args, ("steps", "rounds"))
     rounds = 1 if args.quick else args.rounds
-    L, C, T, MB = 4, 512, 32, 1
+    L, C, T, MB = args.layers, args.width, args.seq, 1
     ms = [1, 4] if args.quick else [1, 2, 4, 8]
     steps = 2 if args.quick else args.steps
     cfg = gpt_config(L, C, T)
     t_start = time.perf_counter()
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    prof = on_worker(measure_profile, cfg, micro_batch_size=MB, seq_len=T, device="cpu", offload_dir=SCRATCH,
+    prof = on_worker(measure_profile, cfg, micro_batch_size=MB, seq_len=T, device=device, offload_dir=SCRATCH,
                      ssd_bandwidth_bytes_per_s=CAP, cache=False)
 
     rows = []
@@ -69,7 +73,7 @@ def main() -> None:
         p_allssd = best_alpha(prof, m, alphas=ALPHAS, placement=Placement.all_ssd())
         for p in (p_fixed, p_budget, p_allssd):
             assert isinstance(p, Plan), p
-        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, cap=CAP)
+        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, cap=CAP, device=device)
         row = {"M": m, "cpu_memory_budget": budget,
                "planned_alpha_opt_on_ssd": p_fixed.alpha,
                "planned_budget": {"alpha": p_budget.alpha, "placement": {

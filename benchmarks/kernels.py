@@ -37,7 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from common import (
     SCRATCH,
-    default_device,
+    add_model_args,
+    checked_device,
     gpt_config,
     machine,
     make_batches,
@@ -202,13 +203,10 @@ def helper_threads_ab(args) -> dict:  # type: ignore[no-untyped-def]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration in parts 2 and 3")
     ap.add_argument("--ab-rounds", type=int, default=3, help="fresh-process pairs in part 3 (CPU device only)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is a GPU)")
-    ap.add_argument("--layers", type=int, default=4, help="GPT blocks in part 2 (default 4)")
-    ap.add_argument("--width", type=int, default=512, help="GPT width (default 512)")
+    add_model_args(ap, layers=4, width=512, seq=32)
     ap.add_argument("--name", default="kernels", help="results file name (benchmarks/results/<name>.json)")
     ap.add_argument("--child", choices=("limited", "unlimited", "extra_team"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -216,12 +214,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    device = args.device or default_device()
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device}: no CUDA device here; use --device cpu")
-    for flag in ("rounds", "seq", "mbs", "m", "layers", "width"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    device = checked_device(args, ("rounds", "mbs", "m"))
     cfg = gpt_config(args.layers, args.width, args.seq)
     blocks = on_worker(lambda: per_block(cfg, args.seq, args.mbs, args.rounds, device))
     print({k: round(v, 3) for k, v in blocks.items()}, flush=True)

@@ -22,6 +22,8 @@ import time
 
 from common import (  # type: ignore[import-not-found]
     RESULTS,
+    add_model_args,
+    checked_device,
     figure,
     gpt_config,
     machine,
@@ -100,8 +102,10 @@ async def mailbox_cost(n: int = 20000) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    add_model_args(ap, layers=4, width=512, seq=32)
     args = ap.parse_args()
-    L, C, T, MB, M = 4, 512, 32, 1, 8
+    device = checked_device(args)
+    L, C, T, MB, M = args.layers, args.width, args.seq, 1, 8
     steps = 2 if args.quick else 6
     cfg = gpt_config(L, C, T)
     t_start = time.perf_counter()
@@ -110,7 +114,7 @@ def main() -> None:
     for label, cap in (("uncapped", None), ("capped_300MBps", 300e6)):
         r = snake_run(cfg, micro_batches=M, micro_batch_size=MB, seq=T, steps=steps,
                       placement=Placement(param=0.5, ckpt=1.0, opt=0.0), alpha=0.25, cap=cap,
-                      probe=lag_probe)
+                      probe=lag_probe, device=device)
         r["peak_rss_mib_after"] = peak_rss_mib()
         runs[label] = r
         print(label, {k: round(v, 2) for k, v in r["probe"].items() if k != "hist_ms"},
@@ -119,7 +123,7 @@ def main() -> None:
     for label, cap in (("uncapped", None), ("capped_300MBps", 300e6)):
         r = snake_run(cfg, micro_batches=M, micro_batch_size=MB, seq=T, steps=steps,
                       placement=Placement(param=0.5, ckpt=1.0, opt=0.0), alpha=0.25, cap=cap,
-                      probe=loop_cpu_probe)
+                      probe=loop_cpu_probe, device=device)
         cpu[label] = {"iteration_seconds": r["iteration_seconds"], "spans_per_iteration": r["spans_per_iteration"],
                       **loop_cpu(r)}
         print(label, "event loop CPU", {k: round(v, 4) if isinstance(v, float) else v for k, v in cpu[label].items()},

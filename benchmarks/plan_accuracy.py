@@ -24,6 +24,8 @@ import time
 from common import (  # type: ignore[import-not-found]
     RESULTS,
     SCRATCH,
+    add_model_args,
+    checked_device,
     figure,
     gpt_config,
     machine,
@@ -44,8 +46,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=4)
+    add_model_args(ap, layers=4, width=512, seq=32)
     args = ap.parse_args()
-    L, C, T, B = 4, 512, 32, 8
+    device = checked_device(args, ("steps",))
+    L, C, T, B = args.layers, args.width, args.seq, 8
     steps = 2 if args.quick else args.steps
     cfg = gpt_config(L, C, T)
     t_start = time.perf_counter()
@@ -55,31 +59,31 @@ def main() -> None:
         f.unlink()  # measure afresh each run
     shape1 = shape_of(cfg, 1, T, "float32")
     budget = int(host_memory(shape1, n_micro=B, alpha=0.0, schedule="vertical", workers=2).at(1, 1, 0.3)
-                 + device_memory(shape1, n_micro=B))
+                 + (device_memory(shape1, n_micro=B) if device == "cpu" else 0))  # a CPU device's working set
     settings = {
         "io_bound": dict(ssd_bandwidth_bytes_per_s=75e6, cpu_memory_bytes=budget),
         "compute_bound": dict(ssd_bandwidth_bytes_per_s=None, cpu_memory_bytes=None),
     }
     out: dict = {}
     for name, kw in settings.items():
-        base = SnakeConfig(micro_batches=None, placement=None, alpha=None, offload_dir=pdir, device="cpu", **kw)
-        plan = on_worker(plan_for_batch, cfg, base, B, T, "cpu")
+        base = SnakeConfig(micro_batches=None, placement=None, alpha=None, offload_dir=pdir, device=device, **kw)
+        plan = on_worker(plan_for_batch, cfg, base, B, T, device)
         assert not isinstance(plan, Infeasible), plan
         mb0 = max(B // n for n in range(1, B + 1) if B % n == 0 and B // n <= MEASURE_MICRO_BATCH)
-        prof = on_worker(profile_for_config, cfg, base, mb0, T, "cpu")  # cached: the profile plan used
+        prof = on_worker(profile_for_config, cfg, base, mb0, T, device)  # cached: the profile plan used
         rows = []
         ns = [plan.n_micro] + ([] if args.quick else [n for n in (1, 2, 4, 8) if n != plan.n_micro])
         for n in ns:
             # measured profiles are cached in pdir: planning at a fixed n measures (once) that
             # micro-batch size too, as the trainer's planning path does
             p = plan if n == plan.n_micro else on_worker(
-                plan_for_batch, cfg, dataclasses.replace(base, micro_batches=n), B, T, "cpu")
+                plan_for_batch, cfg, dataclasses.replace(base, micro_batches=n), B, T, device)
             if isinstance(p, Infeasible):
                 rows.append({"n": n, "infeasible": p.message})
                 continue
             r = snake_run(cfg, micro_batches=n, micro_batch_size=B // n, seq=T, steps=steps,
                           placement=p.placement, alpha=p.alpha, cap=kw["ssd_bandwidth_bytes_per_s"],
-                          cpu_memory_bytes=kw["cpu_memory_bytes"])
+                          cpu_memory_bytes=kw["cpu_memory_bytes"], device=device)
             meas = r["iteration_seconds"]["median"]
             sp = scale_profile(prof, (B // n) / mb0)
             assumed = {  # what the model assumes per iteration, to set next to busy seconds

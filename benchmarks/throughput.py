@@ -32,7 +32,8 @@ import torch
 from common import (  # type: ignore[import-not-found]
     RESULTS,
     SCRATCH,
-    default_device,
+    add_model_args,
+    checked_device,
     figure,
     gpt_config,
     machine,
@@ -243,11 +244,7 @@ def main() -> None:
                     help="capped vertical / PyTorch+ckpt pairs per M for the roofline ratio: the main "
                          "sweep's, then (rounds - 1) more, back to back, the order alternating")
     ap.add_argument("--name", default="throughput", help="results file name (benchmarks/results/NAME.json)")
-    ap.add_argument("--device", default=None,
-                    help="cpu or cuda (default: cuda where there is a GPU, else cpu); the same on every side")
-    ap.add_argument("--layers", type=int, default=N_LAYER, help="GPT blocks (default 8)")
-    ap.add_argument("--width", type=int, default=512, help="GPT width n_embd (default 512; heads of 64)")
-    ap.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
+    add_model_args(ap, layers=N_LAYER, width=512, seq=32)  # the device is the same on every side
     ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     ap.add_argument("--ms", default="1,2,4,8,16,32",
                     help="micro-batches per iteration to sweep (the issue's 1..16, plus 32 to see "
@@ -276,12 +273,7 @@ def main() -> None:
         print_summary(result)
         finish("throughput", result)
         return
-    for flag in ("layers", "width", "seq", "micro_batch_size", "steps", "roof_rounds"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
-    device = args.device or default_device()
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device}: no CUDA device here; use --device cpu")
+    device = checked_device(args, ("micro_batch_size", "steps", "roof_rounds"))
     L, C, T, MB = args.layers, args.width, args.seq, args.micro_batch_size
     ms = [1, 2] if args.quick else [int(x) for x in args.ms.split(",")]
     steps = 2 if args.quick else args.steps

@@ -139,3 +139,25 @@ def test_io_roofline_counts_checkpoint_traffic(m):
     assert bound > 0
     assert bound <= plan.ssd_bytes_per_iteration * (1 + 1e-9)
     assert plan.ssd_bytes_per_iteration <= 1.05 * bound
+
+
+def test_model_flags_are_checked():
+    """--device/--layers/--width/--seq (every script that can run on a GPU): a bad value exits
+    naming the flag; no flag means the GPU where there is one."""
+    import argparse
+
+    import torch
+
+    common = importlib.import_module("common")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    common.add_model_args(ap, layers=4, width=512, seq=32)
+    for argv, msg in ((["--layers", "0"], "--layers 0: must be >= 1"), (["--seq", "-1"], "--seq -1"),
+                      (["--steps", "0"], "--steps 0"), (["--device", "tpu"], "--device tpu: must be cpu or cuda")):
+        with pytest.raises(SystemExit, match=msg):
+            common.checked_device(ap.parse_args(argv), ("steps",))
+    assert common.checked_device(ap.parse_args(["--device", "cpu"])) == "cpu"
+    assert common.checked_device(ap.parse_args([])) == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device here; use --device cpu"):
+            common.checked_device(ap.parse_args(["--device", "cuda"]))
