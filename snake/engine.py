@@ -98,9 +98,17 @@ class Engine:
         self._make_pools()
         self._make_grads()
         init = helper_thread_init(device)  # on a CPU device: one intra-op thread outside compute
+        copy = ThreadPoolExecutor(1, thread_name_prefix="snake-copy", initializer=init)
         self.executors = {
             "compute": ThreadPoolExecutor(1, thread_name_prefix="snake-compute", initializer=name_native_thread),
-            "copy": ThreadPoolExecutor(1, thread_name_prefix="snake-copy", initializer=init),
+            # device -> host ("copy") and host -> device ("h2d"): one thread on a CPU device,
+            # where a copy is a memcpy on the kernels' cores; on CUDA one each, so that a
+            # layer's parameter load does not queue behind a gradient's copy and CPU add
+            # (horizontal on an H100: 0.25-0.27 s per extra micro-batch with one thread,
+            # about the h2d and d2h actors' busy times added up, BENCHMARKS.md section 8)
+            "copy": copy,
+            "h2d": copy if device.type == "cpu" else ThreadPoolExecutor(
+                1, thread_name_prefix="snake-h2d", initializer=init),
             "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io", initializer=init),
             "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer", initializer=init),
             "data": data_executor,

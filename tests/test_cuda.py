@@ -35,3 +35,17 @@ async def test_parity_on_cuda(tmp_path, schedule, where):
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+async def test_copy_directions_have_their_own_threads_on_cuda(tmp_path):
+    """Host -> device loads do not queue behind device -> host copies (and horizontal's CPU
+    gradient adds) on CUDA; on a CPU device both share one thread (tests/test_threads.py)."""
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.0, schedule="horizontal", device="cuda")
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(2, 4), config=cfg) as trainer:
+        await trainer.run(2)
+        ex = trainer.engine.executors
+        assert ex["h2d"] is not ex["copy"]
+        assert trainer.engine.grad_staging is not None and trainer.engine.grad_staging.is_pinned()

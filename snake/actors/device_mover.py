@@ -100,7 +100,7 @@ class HostToDevice(Actor):
             nbytes = e.P * store.esize
             try:
                 await e.link_wait("cpu->gpu", nbytes)
-                await self.work(e.executors["copy"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
+                await self.work(e.executors["h2d"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
             finally:
                 for m in tails:
                     m.pool.release(m.buf)
@@ -153,7 +153,7 @@ class HostToDevice(Actor):
         try:
             label = f"{ld.kind} L{ld.layer} mb{ld.micro_batch}"
             await e.link_wait("cpu->gpu", nbytes)
-            dev = await self.work(e.executors["copy"], label, load, link="cpu->gpu", bytes=nbytes)
+            dev = await self.work(e.executors["h2d"], label, load, link="cpu->gpu", bytes=nbytes)
         finally:
             if tail is not None:
                 tmsg.pool.release(tail)
