@@ -33,6 +33,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--schedule", default="vertical", choices=["vertical", "horizontal"])
     p.add_argument("--device", default=None)
+    p.add_argument("--storage-backend", default="auto", choices=["auto", "posix", "buffered", "kvikio"],
+                   help="how the SSD tier's files are read and written (auto: the best this machine has)")
     p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +61,7 @@ async def _train(args: argparse.Namespace, offload_dir: str) -> int:
     config = SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=_placement(args.placement),
         alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1), dtype=args.dtype,
-        device=args.device, schedule=args.schedule, seed=args.seed,
+        device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
     )
     print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
     print("config:", json.dumps({k: str(v) for k, v in asdict(config).items()}))

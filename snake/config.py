@@ -15,6 +15,7 @@ from snake.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("vertical", "horizontal")
+STORAGE_BACKENDS = ("auto", "posix", "buffered", "kvikio")
 Dtype = Literal["float32", "bfloat16", "float16"]
 Schedule = Literal["vertical", "horizontal"]
 
@@ -95,6 +96,10 @@ class SnakeConfig:
     loss_scale: static loss scale used with float16 (ignored otherwise).
     optimizer_workers: CPU optimizer threads (one actor each).
     io_threads: threads doing blocking SSD reads and writes.
+    storage_backend: how the SSD tier's files are read and written: "auto" (kvikio on CUDA
+        when it and the CUDA driver are there, else O_DIRECT, else buffered I/O with a
+        warning), "posix" (O_DIRECT, an error where the file system refuses it), "buffered"
+        (the page cache) or "kvikio" (needs CUDA, its driver and the kvikio package).
     stall_timeout_s: when no actor finishes any work for this long, run() fails with
         ActorFailed naming the stalled actor (None: wait forever).
     """
@@ -115,6 +120,7 @@ class SnakeConfig:
     loss_scale: float = 1024.0
     optimizer_workers: int = 2
     io_threads: int = 2
+    storage_backend: str = "auto"
     stall_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
@@ -159,6 +165,9 @@ class SnakeConfig:
         st = self.stall_timeout_s
         if st is not None and (not isinstance(st, int | float) or not st > 0):
             raise ConfigError("stall_timeout_s", st, "must be > 0 seconds or None (no watchdog)")
+        if self.storage_backend not in STORAGE_BACKENDS:
+            raise ConfigError("storage_backend", self.storage_backend, f"must be one of {STORAGE_BACKENDS}",
+                              "'auto' picks the best one this machine has")
         for name in ("optimizer_workers", "io_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -20,6 +20,8 @@ from snake.config import Placement, SnakeConfig
 from snake.device import helper_thread_init, pin_host_memory
 from snake.errors import ConfigError
 from snake.io.base import TokenBucket
+from snake.io.kvikio_file import kvikio_usable
+from snake.io.posix import o_direct_works
 from snake.kernels import Kernels
 from snake.memory import PoolSizes
 from snake.plans import DELAYED, Plans
@@ -75,7 +77,8 @@ class Engine:
         link = config.device_link_bytes_per_s  # an emulated host<->device link: one bucket per direction
         self.links = {d: TokenBucket(link) for d in ("cpu->gpu", "gpu->cpu")} if link else {}
         use_gds = device.type == "cuda"
-        store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds)
+        store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds,
+                                        backend=config.storage_backend)
         parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.part_sizes) if n]
         ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
         self._preflight(offload_dir, parts_units, ckpt_units)
@@ -125,7 +128,19 @@ class Engine:
                     await asyncio.sleep(wait)
 
     def _preflight(self, offload_dir: Path, parts_units: list, ckpt_units: list) -> None:
-        """Before any file is made: does the SSD tier fit on the offload_dir's disk?"""
+        """Before any file is made: can the asked storage backend run here, and does the SSD
+        tier fit on the offload_dir's disk?"""
+        backend = self.config.storage_backend
+        if backend == "kvikio" and not (self.device.type == "cuda" and kvikio_usable()):
+            raise ConfigError(
+                "storage_backend", backend, "needs a CUDA device, its driver and the kvikio package",
+                "use 'auto' (kvikio where it works) or 'posix'; pip install the kvikio matching your CUDA",
+            )
+        if backend == "posix" and not o_direct_works(offload_dir):
+            raise ConfigError(
+                "storage_backend", backend, f"needs O_DIRECT, which the file system of {offload_dir} refuses (tmpfs?)",
+                "put offload_dir on a local SSD, or use 'auto' or 'buffered'",
+            )
         esize = torch.empty((), dtype=self.dtype).element_size()
         need = (
             tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)

@@ -94,6 +94,7 @@ class TierStore:
         bucket: TokenBucket | None = None,
         use_gds: bool = False,
         whole_units: bool = False,
+        backend: str = "auto",
     ) -> None:
         self.kind = kind
         self.dtype = dtype
@@ -113,7 +114,8 @@ class TierStore:
         self.file: StorageFile | None = None
         if off:
             assert directory is not None
-            self.file = open_storage(directory / f"{kind}.bin", off, bucket=bucket, use_gds=use_gds)
+            self.file = open_storage(directory / f"{kind}.bin", off, bucket=bucket, use_gds=use_gds,
+                                     backend=backend)  # type: ignore[arg-type]
         self._sums: dict[Hashable, int] = {}  # xxh3 of each tail as last written
         self.max_tail_bytes = max((u.tail_elems() * self.esize for u in self.units.values()), default=0)
 

@@ -27,6 +27,7 @@ from tests.helpers import batches, tiny_gpt
         (dict(cpu_memory_bytes=-1), "cpu_memory_bytes"),
         (dict(optimizer_workers=0), "optimizer_workers"),
         (dict(offload_dir=""), "offload_dir"),
+        (dict(storage_backend="gds"), "storage_backend"),
     ],
 )
 def test_config_fields(tmp_path, changes, field):
@@ -128,6 +129,31 @@ async def test_not_enough_disk_fails_before_files(tmp_path, monkeypatch):
     cfg = SnakeConfig(micro_batches=2, offload_dir=off, placement=Placement.all_ssd(), device="cpu")
     async with SnakeTrainer(tiny_gpt(n_embd=128), data=batches(1, 4), config=cfg) as trainer:
         with pytest.raises(ConfigError, match=r"offload_dir.*GiB free but the SSD tier needs"):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not list(off.glob("*.bin"))
+
+
+@pytest.mark.asyncio
+async def test_kvikio_backend_without_cuda_fails_before_files(tmp_path):
+    off = tmp_path / "off"
+    cfg = SnakeConfig(micro_batches=2, offload_dir=off, placement=Placement.all_ssd(), device="cpu",
+                      storage_backend="kvikio")
+    async with SnakeTrainer(tiny_gpt(), data=batches(1, 4), config=cfg) as trainer:
+        with pytest.raises(ConfigError, match=r"storage_backend.*needs a CUDA device.*use 'auto'"):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not list(off.glob("*.bin"))
+
+
+@pytest.mark.asyncio
+async def test_posix_backend_where_o_direct_is_refused_fails_before_files(tmp_path, monkeypatch):
+    import snake.engine
+
+    monkeypatch.setattr(snake.engine, "o_direct_works", lambda d: False)  # fake: a tmpfs offload_dir
+    off = tmp_path / "off"
+    cfg = SnakeConfig(micro_batches=2, offload_dir=off, placement=Placement.all_ssd(), device="cpu",
+                      storage_backend="posix")
+    async with SnakeTrainer(tiny_gpt(), data=batches(1, 4), config=cfg) as trainer:
+        with pytest.raises(ConfigError, match=r"storage_backend.*O_DIRECT.*'buffered'"):
             await asyncio.wait_for(trainer.run(1), 30)
     assert not list(off.glob("*.bin"))
 

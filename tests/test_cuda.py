@@ -19,6 +19,22 @@ PLACEMENTS = {
 @pytest.mark.parametrize("where", sorted(PLACEMENTS))
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 async def test_parity_on_cuda(tmp_path, schedule, where):
+    await _parity(tmp_path, schedule, where, "auto")
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["posix", "kvikio"])
+async def test_parity_on_cuda_with_each_storage_backend(tmp_path, backend):
+    """auto picks kvikio where it works: posix (O_DIRECT into pinned buffers) on CUDA too."""
+    from snake.io.kvikio_file import kvikio_usable
+
+    if backend == "kvikio" and not kvikio_usable():
+        pytest.skip("needs CUDA with kvikio and its driver")
+    await _parity(tmp_path, "vertical", "all-ssd", backend)
+
+
+async def _parity(tmp_path, schedule, where, backend):
     placement, alpha = PLACEMENTS[where]
     model = tiny_gpt(n_layer=4, bias=False)
     data = batches(3, 6)
@@ -28,6 +44,7 @@ async def test_parity_on_cuda(tmp_path, schedule, where):
     want, want_losses = reference(model, data, 3, device="cuda")
     cfg = SnakeConfig(
         micro_batches=3, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule, device="cuda",
+        storage_backend=backend,
     )
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         report = await trainer.run(3)

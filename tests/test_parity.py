@@ -97,3 +97,25 @@ async def test_mixed_precision_tracks_fp32(tmp_path, dtype):
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=0.05)
     for k in want:
         assert (got[k] - want[k]).abs().max() < 5e-3, k
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend,used", [("buffered", "posix-buffered"), ("posix", "posix-direct")])
+async def test_each_storage_backend_matches_plain_pytorch(tmp_path, backend, used):
+    """SnakeConfig.storage_backend picks how the SSD tier's files are read and written; the
+    weights do not depend on it (kvikio: tests/test_cuda.py)."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(2, 4)
+    want, _ = reference(model, data, 2)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement.all_ssd(), alpha=0.3,
+                      device="cpu", storage_backend=backend)
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(2), timeout=120)
+        backends = {k: s.file.backend for k, s in trainer.engine.stores.items() if s.file is not None}
+        got = await trainer.state_dict()
+    assert set(backends.values()) == {used}, backends
+    assert_close_state(got, want)
