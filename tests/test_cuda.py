@@ -66,3 +66,23 @@ async def test_copy_directions_have_their_own_threads_on_cuda(tmp_path):
         ex = trainer.engine.executors
         assert ex["h2d"] is not ex["copy"]
         assert trainer.engine.grad_staging is not None and trainer.engine.grad_staging.is_pinned()
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_mixed_precision_on_cuda_tracks_fp32(tmp_path, dtype):
+    """Low-precision compute on the GPU with fp32 masters on the CPU stays close to PyTorch's
+    fp32 training on the same GPU (the bound of the CPU test, tests/test_parity.py)."""
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(3, 4)
+    want, want_losses = reference(model, data, 2, device="cuda")
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=PLACEMENTS["mixed"][0], alpha=0.3,
+                      dtype=dtype, device="cuda")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        report = await trainer.run(3)
+        got = await trainer.state_dict()
+    assert all(v.dtype == torch.float32 for v in got.values())
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=0.05)
+    for k in want:
+        assert (got[k] - want[k]).abs().max() < 5e-3, k
