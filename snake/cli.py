@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from snake.config import AdamW, Placement, SnakeConfig
+from snake.config import STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--schedule", default="vertical", choices=["vertical", "horizontal"])
     p.add_argument("--device", default=None)
-    p.add_argument("--storage-backend", default="auto", choices=["auto", "posix", "buffered", "kvikio"],
+    p.add_argument("--storage-backend", default="auto", choices=list(STORAGE_BACKENDS),
                    help="how the SSD tier's files are read and written (auto: the best this machine has)")
     p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
     p.add_argument("--out", default="snake-out")
