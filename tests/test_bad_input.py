@@ -134,26 +134,22 @@ async def test_not_enough_disk_fails_before_files(tmp_path, monkeypatch):
 
 
 @pytest.mark.asyncio
-async def test_kvikio_backend_without_cuda_fails_before_files(tmp_path):
-    off = tmp_path / "off"
-    cfg = SnakeConfig(micro_batches=2, offload_dir=off, placement=Placement.all_ssd(), device="cpu",
-                      storage_backend="kvikio")
-    async with SnakeTrainer(tiny_gpt(), data=batches(1, 4), config=cfg) as trainer:
-        with pytest.raises(ConfigError, match=r"storage_backend.*needs a CUDA device.*use 'auto'"):
-            await asyncio.wait_for(trainer.run(1), 30)
-    assert not list(off.glob("*.bin"))
-
-
-@pytest.mark.asyncio
-async def test_posix_backend_where_o_direct_is_refused_fails_before_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "backend,match",
+    [
+        ("kvikio", r"storage_backend.*needs a CUDA device.*use 'auto'"),  # on a CPU device
+        ("posix", r"storage_backend.*O_DIRECT.*'buffered'"),  # where O_DIRECT is refused (faked below)
+    ],
+)
+async def test_storage_backend_that_cannot_run_fails_before_files(tmp_path, monkeypatch, backend, match):
     import snake.engine
 
     monkeypatch.setattr(snake.engine, "o_direct_works", lambda d: False)  # fake: a tmpfs offload_dir
     off = tmp_path / "off"
     cfg = SnakeConfig(micro_batches=2, offload_dir=off, placement=Placement.all_ssd(), device="cpu",
-                      storage_backend="posix")
+                      storage_backend=backend)
     async with SnakeTrainer(tiny_gpt(), data=batches(1, 4), config=cfg) as trainer:
-        with pytest.raises(ConfigError, match=r"storage_backend.*O_DIRECT.*'buffered'"):
+        with pytest.raises(ConfigError, match=match):
             await asyncio.wait_for(trainer.run(1), 30)
     assert not list(off.glob("*.bin"))
 
