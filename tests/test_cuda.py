@@ -26,11 +26,15 @@ async def test_parity_on_cuda(tmp_path, schedule, where):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["posix", "kvikio"])
 async def test_parity_on_cuda_with_each_storage_backend(tmp_path, backend):
-    """auto picks kvikio where it works: posix (O_DIRECT into pinned buffers) on CUDA too."""
+    """auto picks kvikio where it works: posix (O_DIRECT into pinned buffers) on CUDA too.
+    Where kvikio or its driver is missing, asking for it is a ConfigError naming the field."""
+    from snake import ConfigError
     from snake.io.kvikio_file import kvikio_usable
 
     if backend == "kvikio" and not kvikio_usable():
-        pytest.skip("needs CUDA with kvikio and its driver")
+        with pytest.raises(ConfigError, match="storage_backend"):
+            await _parity(tmp_path, "vertical", "all-ssd", backend)
+        return
     await _parity(tmp_path, "vertical", "all-ssd", backend)
 
 
