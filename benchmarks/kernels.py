@@ -58,7 +58,7 @@ from snake.kernels import Kernels
 
 def per_block(cfg, seq: int, mbs: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     dev = torch.device(device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)  # snake's kernels sync themselves
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model = make_model(cfg)
     k = Kernels(describe(model), SnakeConfig(offload_dir=".", micro_batches=1), dev, 1)
     blk = model.blocks[0].to(dev)
@@ -78,8 +78,8 @@ def per_block(cfg, seq: int, mbs: int, rounds: int, device: str = "cpu") -> dict
         sync()
 
     fns = {
-        "snake_fwd": lambda: k.block_fwd(slot, x, 0, 0, 0),
-        "snake_bwd": lambda: k.block_bwd(slot, x, gy, acc, t=0, layer=0, m=0, accumulate=True),
+        "snake_fwd": lambda: (k.block_fwd(slot, x, 0, 0, 0), sync()),
+        "snake_bwd": lambda: (k.block_bwd(slot, x, gy, acc, t=0, layer=0, m=0, accumulate=True), sync()),
         "torch_fwd": torch_fwd,
         "torch_ckpt_fwd_bwd": torch_ckpt,
     }
@@ -99,8 +99,9 @@ def per_block(cfg, seq: int, mbs: int, rounds: int, device: str = "cpu") -> dict
 
 
 def sequential_iteration(cfg, m: int, mbs: int, seq: int, device: str = "cpu") -> Callable[[], None]:
-    """snake's kernels in vertical order for one iteration, on the calling thread (each
-    kernel call waits for the device, as in the runtime)."""
+    """snake's kernels in vertical order for one iteration, on the calling thread (on CUDA
+    queued without waiting, as the runtime's compute thread does; the resident step at the
+    end waits for the device)."""
     dev = torch.device(device)
     model = make_model(cfg)
     k = Kernels(describe(model), SnakeConfig(offload_dir=".", micro_batches=m), dev, m)

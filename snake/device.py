@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes.util
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 from threadpoolctl import threadpool_limits
@@ -79,6 +80,39 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's current stream. Call only off the event loop."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class StreamMarks:
+    """Points on the current (compute) stream of a CUDA device: CUDA events with timing.
+    The compute thread marks each job's start and end and goes on to the next job without
+    waiting; the job's outputs are handed on once its end mark is reached, and its trace
+    span is the GPU's, read from the marks (`snake.actors.compute`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait(self, mark: Any) -> None:
+        """Block until the device has reached `mark`. Off the event loop."""
+        mark.synchronize()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        """Device time from mark `a` to mark `b` (both reached)."""
+        return float(a.elapsed_time(b)) / 1e3
+
+    def drain(self) -> None:
+        """Wait for everything queued on the stream (after a failed job)."""
+        synchronize(self.device)
+
+
+def stream_marks(device: torch.device) -> StreamMarks | None:
+    """Marks for the compute stream; None on a CPU device, whose kernels are done when
+    they return."""
+    return StreamMarks(device) if device.type == "cuda" else None
 
 
 class Copier:

@@ -17,7 +17,7 @@ from snake.blocking import name_native_thread
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
 from snake.config import Placement, SnakeConfig
-from snake.device import helper_thread_init, pin_host_memory
+from snake.device import helper_thread_init, pin_host_memory, stream_marks
 from snake.errors import ConfigError
 from snake.io.base import TokenBucket
 from snake.io.kvikio_file import kvikio_usable
@@ -115,7 +115,10 @@ class Engine:
             "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io", initializer=init),
             "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer", initializer=init),
             "data": data_executor,
+            # waits for the compute stream's marks (CUDA; no thread starts until first used)
+            "sync": ThreadPoolExecutor(1, thread_name_prefix="snake-sync", initializer=init),
         }
+        self.marks = stream_marks(device)
 
     async def link_wait(self, link: str, nbytes: int) -> None:
         """With `device_link_bytes_per_s`: wait until `nbytes` may cross the host<->device

@@ -1,6 +1,9 @@
 """The compute actor's work on the device: pre, block forward, head + loss, block recompute
 + backward, pre backward, and the resident (pre/post) optimizer step. Every function here
-blocks: the compute actor runs them on its executor thread, never on the event loop.
+blocks: the compute actor runs them on its executor thread, never on the event loop. On
+CUDA they queue their kernels on the current stream and return without waiting for them
+(but `resident_step`, which ends the iteration): whoever reads the results on the host or
+on another stream waits first (the compute actor: a mark at the end of each job).
 
 Dropout masks are reproducible: each (iteration, layer, micro-batch) forks the RNG with its
 own seed, so the backward's recompute and the other schedule see the same masks.
@@ -136,16 +139,12 @@ class Kernels:
     def pre(self, idx: torch.Tensor, t: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, -1, m):
             h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
-        out = h.to(self.dtype).contiguous()
-        synchronize(self.device)
-        return out
+        return h.to(self.dtype).contiguous()
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, layer, m):
             y = self.bind(self.views(slot))(x)
-        y = y.contiguous()
-        synchronize(self.device)
-        return y
+        return y.contiguous()
 
     def head(self, h: torch.Tensor, targets: torch.Tensor, t: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Head + loss forward and backward for one micro-batch. Accumulates the resident
@@ -159,9 +158,7 @@ class Kernels:
         self._accumulate(self.res_grad, grads[1:])
         gh = grads[0]
         assert gh is not None
-        gh = gh.to(self.dtype).contiguous()
-        synchronize(self.device)
-        return loss.detach(), gh
+        return loss.detach(), gh.to(self.dtype).contiguous()
 
     # -- backward ---------------------------------------------------------------------
     def block_bwd(
@@ -193,16 +190,13 @@ class Kernels:
                 torch.mul(g.reshape(-1).float(), 1.0 / self.scale, out=a)
         gx = grads[0]
         assert gx is not None
-        gx = gx.contiguous()
-        synchronize(self.device)
-        return gx
+        return gx.contiguous()
 
     def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
         with torch.enable_grad(), self.rng(t, -1, m):
             h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
             grads = torch.autograd.grad(h.to(self.dtype), self.res_dev, grad_outputs=gh, allow_unused=True)
         self._accumulate(self.res_grad, grads)
-        synchronize(self.device)
 
     # -- resident optimizer step --------------------------------------------------------
     def resident_step(self, step: int) -> None:

@@ -39,7 +39,7 @@ async def _on_every_executor(tmp_path, fn):  # type: ignore[no-untyped-def]
 @pytest.mark.asyncio
 async def test_cpu_device_helper_threads_use_one_intraop_thread(tmp_path, two_threads):
     counts = await _on_every_executor(tmp_path, torch.get_num_threads)
-    assert counts == {"compute": two_threads, "copy": 1, "h2d": 1, "io": 1, "optimizer": 1, "data": 1}
+    assert counts == {"compute": two_threads, "copy": 1, "h2d": 1, "io": 1, "optimizer": 1, "data": 1, "sync": 1}
     # the caller's thread and threads made later keep torch's count
     assert torch.get_num_threads() == two_threads
     assert _new_thread_count() == two_threads
@@ -105,6 +105,7 @@ async def test_snake_threads_carry_their_names_in_the_os(tmp_path):
     assert {k: v for k, v in names.items() if k not in ("io", "optimizer")} == {
         "compute": "snake-compute_0", "copy": "snake-copy_0", "data": "snake-data_0",
         "h2d": "snake-copy_0",  # on a CPU device both copy directions share one thread (on CUDA: snake-h2d_0)
+        "sync": "snake-sync_0",  # waits for the compute stream's marks (used on CUDA only)
     }
     assert names["io"] in ("snake-io_0", "snake-io_1")
     assert names["optimizer"] == "snake-optimizer"  # "snake-optimizer_N" cut to 15 bytes

@@ -19,7 +19,10 @@ kernels share the cores and every hand-over between them costs the kernels, a jo
 to CPU_GROUP consecutive micro-batches whose inputs are already in (never waiting for more),
 each still traced as its own span. On a CPU device a job also writes its outputs
 whose store units live wholly in CPU memory straight into them (`Engine.inline_store`), and
-the actor marks them written itself: no d2h copy for those.
+the actor marks them written itself: no d2h copy for those. On CUDA the compute thread only
+queues a job's kernels on the device: the job is done when the device reaches its end mark
+(`Engine.marks`, waited for on the sync thread), so the thread queues the next job while the
+device still runs this one, and each micro-batch's trace span is its time on the device.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class _Part:
     buf: torch.Tensor | None = None  # its gradient buffer (horizontal backward)
     # the job wrote its (first, last) stored output into CPU memory itself (Engine.inline_store)
     inline: tuple[bool, bool] = (False, False)
+    marks: tuple[Any, Any] | None = None  # on CUDA: its start and end on the compute stream
 
 
 @dataclass(slots=True)
@@ -148,21 +152,57 @@ class Compute(Actor):
             for part in parts:
                 await self.fault_hook(self.name, part.label)
         now = self.tracer.now
+        marks = self.e.marks
 
         def call() -> list[Any]:
             out = []
             for part in parts:
                 part.times[0] = now()
+                start = marks.mark() if marks is not None else None
                 try:
                     out.append(part.fn())
                 finally:
                     part.times[1] = now()
+                    if marks is not None:
+                        part.marks = (start, marks.mark())
             return out
 
-        fut = asyncio.get_running_loop().run_in_executor(self.e.executors["compute"], call)
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().run_in_executor(self.e.executors["compute"], call)
+        if marks is not None:  # queued on the device, not done: done when its end mark is reached
+            fut = asyncio.ensure_future(self._reached(fut, parts, marks))
         self._inflight += 1
         fut.add_done_callback(self._job_done)
         return _Job(parts, fut)
+
+    async def _reached(self, launched: asyncio.Future[list[Any]], parts: list[_Part], marks: Any) -> list[Any]:
+        """A job whose kernels the compute thread queued on the device (CUDA): its outputs
+        once the device has run them, waited for on the sync thread. The compute thread
+        meanwhile queues the next job (up to WINDOW), so the device does not idle while the
+        host hands one job's outputs on and starts the next. The parts' trace spans become
+        the device's: from their marks, anchored where the job's last mark was seen."""
+        loop = asyncio.get_running_loop()
+        sync = self.e.executors["sync"]
+        try:
+            out = await wait_blocking(launched)
+        except BaseException:
+            # kernels the job queued before it failed may still read the stage's buffers
+            await settle(loop.run_in_executor(sync, marks.drain))
+            raise
+        await wait_blocking(loop.run_in_executor(sync, self._device_times, parts, marks))
+        return out
+
+    def _device_times(self, parts: list[_Part], marks: Any) -> None:
+        """Blocking (sync thread): wait for the job's last mark, then set each part's span
+        to its time on the device, counted back from then."""
+        last = parts[-1].marks
+        assert last is not None
+        marks.wait(last[1])
+        seen = self.tracer.now()
+        for part in parts:
+            assert part.marks is not None
+            start, end = part.marks
+            stop = seen - marks.seconds(end, last[1])
+            part.times[0], part.times[1] = stop - marks.seconds(start, end), stop
 
     def _job_done(self, _: asyncio.Future) -> None:
         # a finished job the actor has not collected yet (it may be waiting for the next
