@@ -123,13 +123,27 @@ class Copier:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor to copy into for the compute stream. On CUDA it comes from the
+        copy stream's share of the caching allocator: a block the compute thread has freed
+        may still be in use by kernels it queued (it does not wait for them), and only the
+        compute stream is ordered after those. `record_stream` keeps the block from being
+        reused by the copy stream until the compute stream is done with it."""
+        if self.stream is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+        out.record_stream(torch.cuda.default_stream(self.device))
+        return out
+
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Blocking: dst.copy_(src) for each (dst, src) pair."""
         if self.stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
             return
-        # outputs of compute were synchronized by the compute actor before they were sent
+        # compute's outputs arrive here only once the device has reached their job's end
+        # mark, and buffers it reads are released only then (snake.actors.compute)
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)

@@ -142,7 +142,7 @@ class HostToDevice(Actor):
             return
 
         def load() -> torch.Tensor:
-            dev = torch.empty(e.ckpt_shape, dtype=e.dtype, device=e.device)
+            dev = self.copier.empty(e.ckpt_shape, e.dtype)
             flat = dev.view(-1)
             pairs = [(flat[: u.k], store.head(u)[0])]
             if tail is not None:
