@@ -90,3 +90,40 @@ async def test_mixed_precision_on_cuda_tracks_fp32(tmp_path, dtype):
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=0.05)
     for k in want:
         assert (got[k] - want[k]).abs().max() < 5e-3, k
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_queued_jobs_on_cuda_match_pytorch_and_trace_gpu_time(tmp_path, schedule):
+    """The compute thread queues jobs without waiting for the GPU (snake.actors.compute): with
+    wider blocks and more micro-batches than the parity tests, so that kernels are still
+    running while the next job is queued and loads and copies run on the copy stream beside
+    them, the weights still match PyTorch on the same GPU; checkpoints leave the GPU only
+    after the forward that made them."""
+    from collections import Counter
+
+    model = tiny_gpt(n_layer=4, n_embd=512, bias=False)
+    data = batches(3, 16, seq=32)
+    want, want_losses = reference(model, data, 8, device="cuda")
+    cfg = SnakeConfig(micro_batches=8, offload_dir=tmp_path, placement=PLACEMENTS["mixed"][0], alpha=0.3,
+                      schedule=schedule, device="cuda")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        report = await trainer.run(3)
+        got = await trainer.state_dict()
+        spans = [s for s in trainer.trace.spans if s.actor == "compute" and s.name.split()[0] in ("fwd", "bwd")]
+        copies = [s for s in trainer.trace.spans if s.actor == "d2h" and s.name.startswith("ckpt ")]
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert len(spans) == 3 * 2 * 4 * 8
+    made: dict[str, list] = {}
+    for sp in spans:
+        made.setdefault(sp.name, []).append(sp)
+    seen: Counter[str] = Counter()
+    for cp in copies:
+        _, layer, mb = cp.name.split()
+        if layer != "L0":
+            src = f"fwd L{int(layer[1:]) - 1} {mb}"
+            assert cp.start_s >= made[src][seen[src]].end_s, cp.name
+            seen[src] += 1
