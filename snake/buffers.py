@@ -94,6 +94,13 @@ class BufferPool(Generic[T]):
     async def acquire(self) -> T:
         return await self._free.get()
 
+    def try_acquire(self) -> T | None:
+        """A free buffer, or None if all are out (never waits)."""
+        try:
+            return self._free.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
     def release(self, buf: T) -> None:
         assert id(buf) in self._all, f"buffer returned to the wrong pool {self.name!r}"
         self._free.put_nowait(buf)

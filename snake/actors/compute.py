@@ -41,7 +41,7 @@ from snake.actors.base import Actor
 from snake.blocking import settle, wait_blocking
 from snake.channels import Mailbox, StageClock
 from snake.engine import Engine
-from snake.messages import ActivationProduced, BatchReady, GradsProduced, Stop
+from snake.messages import ActivationProduced, BatchReady, GradsProduced, ParamsOnDevice, Stop
 from snake.schedule import Stage, StagePlan, carries
 
 WINDOW = 2  # jobs queued on the compute executor at once, within a stage
@@ -71,6 +71,36 @@ class _Job:
 
     parts: list[_Part]
     fut: asyncio.Future[list[Any]]
+
+
+@dataclass(slots=True)
+class _Box:
+    """The output a stage keeps on the device for the next stage's first micro-batch (snake
+    order). The job making it fills it on the compute thread; the job using it runs after
+    on the same (FIFO, one-thread) executor and, on CUDA, the same stream, so it may be
+    queued before the first is done."""
+
+    tensor: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _StageRun:
+    """A stage as the compute actor runs it."""
+
+    t: int
+    g: int
+    stage: Stage
+    sp: StagePlan
+    params: ParamsOnDevice
+    box_in: _Box | None  # the output the stage before kept (if sp.carry_in)
+    acc: torch.Tensor | None  # vertical backward: the stage's gradient slot
+    box_out: _Box | None = None  # where this stage keeps its last output (if sp.keep_out)
+    pending: deque[_Job] = field(default_factory=deque)  # queued jobs not yet handed on
+    j: int = 0  # the next micro-batch's index in the stage
+
+    def __post_init__(self) -> None:
+        if self.sp.keep_out:
+            self.box_out = _Box()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,20 +151,26 @@ class Compute(Actor):
             batch: BatchReady = await self.inbox.take(("batch", t))
             t0 = time.perf_counter()
             losses: list[torch.Tensor] = []
-            carry: torch.Tensor | None = None
-            for stage, sp in zip(e.stages, self.carry_plan, strict=True):
+            box: _Box | None = None  # the output the stage before kept on the device
+            ahead: _StageRun | None = None  # the next stage, its first job maybe already queued
+            stages = list(zip(e.stages, self.carry_plan, strict=True))
+            for i, (stage, sp) in enumerate(stages):
                 g = t * e.S + stage.index
                 self.at(t, stage.layer)
                 await self.clock.publish(g)
-                params = await self.inbox.take(("param", g))
+                if ahead is not None:
+                    run, ahead = ahead, None
+                else:
+                    params = await self.inbox.take(("param", g))
+                    acc = await e.grad_slots.acquire() if e.vertical and stage.phase == "bwd" else None
+                    run = _StageRun(t, g, stage, sp, params, box, acc)
+                nxt = (t * e.S + stages[i + 1][0].index, *stages[i + 1]) if i + 1 < len(stages) else None
                 try:
-                    if stage.phase == "fwd":
-                        carry = await self._forward(t, g, stage, sp, params.slot, batch, carry, losses)
-                    else:
-                        carry = await self._backward(t, g, stage, sp, params.slot, batch, carry)
+                    ahead = await self._stage(run, batch, losses, nxt)
                 finally:
-                    if params.pooled:
-                        e.param_slots.release(params.slot)
+                    if run.params.pooled:
+                        e.param_slots.release(run.params.slot)
+                box = run.box_out
             self.at(t)
             await self._k("resident step", e.kernels.resident_step, t + 1)
             loss = await self._k("loss", _total, losses)
@@ -236,24 +272,167 @@ class Compute(Actor):
         return [(await self.inbox.take(k)).tensor for k in keys]
 
     # -- stages ------------------------------------------------------------------------
+    async def _stage(
+        self, run: _StageRun, batch: BatchReady, losses: list[torch.Tensor],
+        nxt: tuple[int, Stage, StagePlan] | None,
+    ) -> _StageRun | None:
+        """Queue the stage's micro-batches (up to WINDOW jobs at once), then, before collecting
+        the last ones, the next stage's first if everything it needs is already in (never
+        waiting: the stage's own outputs and buffers are handed on only below). Returns that
+        next stage (None if it was not ready); hands the stage's gradient slot on."""
+        pending = run.pending
+        n = len(run.stage.micro_batches)
+        group = self.group if run.stage.phase == "fwd" or self.e.vertical else 1
+        ahead: _StageRun | None = None
+        try:
+            while run.j < n:
+                parts: list[_Part] = []
+                while run.j < n and len(parts) < group:
+                    part = await self._part(run, batch, wait=not parts)
+                    if part is None:
+                        break
+                    parts.append(part)
+                pending.append(await self._start(parts))
+                if len(pending) >= WINDOW:
+                    await self._done(run, pending.popleft(), losses)
+            if nxt is not None:
+                ahead = await self._ahead(run, nxt, batch)
+            while pending:
+                await self._done(run, pending.popleft(), losses)
+        except BaseException:
+            await self._drain(pending)
+            if ahead is not None:
+                await self._drain(ahead.pending)
+                if ahead.params.pooled:
+                    self.e.param_slots.release(ahead.params.slot)
+            raise
+        if run.acc is not None:
+            await self.d2h.put(GradsProduced(run.t, run.stage.layer, -1, run.acc, True, True))
+        return ahead
+
+    async def _ahead(self, run: _StageRun, nxt: tuple[int, Stage, StagePlan], batch: BatchReady) -> _StageRun | None:
+        """The next stage with its first micro-batch queued, if its parameters (and on the
+        vertical backward its gradient slot) are in; None otherwise, nothing taken."""
+        e = self.e
+        g, stage, sp = nxt
+        await asyncio.sleep(0)
+        if not self.inbox.ready(("param", g)):
+            return None
+        acc = None
+        if e.vertical and stage.phase == "bwd":
+            acc = e.grad_slots.try_acquire()
+            if acc is None:
+                return None
+        params = await self.inbox.take(("param", g))
+        ahead = _StageRun(run.t, g, stage, sp, params, run.box_out, acc)
+        try:
+            part = await self._part(ahead, batch, wait=False)
+            if part is not None:
+                ahead.pending.append(await self._start([part]))
+        except BaseException:
+            await self._drain(ahead.pending)
+            if params.pooled:
+                e.param_slots.release(params.slot)
+            raise
+        return ahead
+
+    async def _part(self, run: _StageRun, batch: BatchReady, wait: bool) -> _Part | None:
+        """The stage's next micro-batch as a part of a job, its inputs taken from the inbox
+        (waited for if `wait`, else None unless all are in)."""
+        e, t, g, layer, sp = self.e, run.t, run.g, run.stage.layer, run.sp
+        j = run.j
+        m = run.stage.micro_batches[j]
+        last = j == len(run.stage.micro_batches) - 1
+        keep = run.box_out if last and sp.keep_out else None
+        carried = j == 0 and sp.carry_in
+        self.at(t, layer, m)
+        if run.stage.phase == "fwd":
+            # the last layer's output is the head's gradient into it
+            out_kind, out_layer = ("act_grad", e.N - 1) if layer == e.N - 1 else ("ckpt", layer + 1)
+            x: torch.Tensor | _Box | None = None
+            if layer == 0:
+                pass  # the job embeds its tokens
+            elif carried:
+                assert run.box_in is not None
+                x = run.box_in
+            else:
+                got = await self._inputs([("ckpt", g, layer, m)], first=wait)
+                if got is None:
+                    return None
+                x = got[0]
+            sinks = (
+                e.inline_store("ckpt", 0, m) if layer == 0 else None,
+                e.inline_store(out_kind, out_layer, m) if out_kind == "ckpt" or keep is None else None,
+            )
+            fn = functools.partial(self._fwd_job, run.params.slot, x, batch, t, layer, m, sinks, keep)
+            run.j += 1
+            return _Part(f"fwd L{layer} mb{m}", j, m, fn, inline=(sinks[0] is not None, sinks[1] is not None))
+        keys = [("ckpt", g, layer, m)] + ([] if carried else [("act_grad", g, layer, m)])
+        buf = run.acc
+        if buf is None and not wait:  # horizontal: each micro-batch has a gradient buffer of its own
+            buf = e.grad_slots.try_acquire()
+            if buf is None:
+                return None
+        got = await self._inputs(keys, first=wait)
+        if got is None:
+            if run.acc is None and buf is not None:
+                e.grad_slots.release(buf)
+            return None
+        if buf is None:
+            buf = await e.grad_slots.acquire()
+        x_in, gy = (got[0], run.box_in) if carried else (got[0], got[1])
+        assert gy is not None
+        sink = e.inline_store("act_grad", layer - 1, m) if layer > 0 and keep is None else None
+        bwd = functools.partial(
+            self._bwd_job, run.params.slot, x_in, gy, buf, batch, t, layer, m, run.acc is not None and j > 0, sink, keep
+        )
+        run.j += 1
+        return _Part(f"bwd L{layer} mb{m}", j, m, bwd, buf=buf, inline=(False, sink is not None))
+
+    async def _done(self, run: _StageRun, job: _Job, losses: list[torch.Tensor]) -> None:
+        """Hand a finished job's outputs on."""
+        e, t, layer, sp = self.e, run.t, run.stage.layer, run.sp
+        outs = await self._finish(job, run.pending, t, layer)
+        last = len(run.stage.micro_batches) - 1
+        if run.stage.phase == "fwd":
+            out_kind, out_layer = ("act_grad", e.N - 1) if layer == e.N - 1 else ("ckpt", layer + 1)
+            for part, (first, loss, out) in zip(job.parts, outs, strict=True):
+                if first is not None:
+                    await self._stored("ckpt", t, 0, part.m, first, part.inline[0])
+                if loss is not None:
+                    losses.append(loss)
+                if out_kind == "ckpt" or not (part.j == last and sp.keep_out):
+                    await self._stored(out_kind, t, out_layer, part.m, out, part.inline[1])
+            return
+        for part, gx in zip(job.parts, outs, strict=True):
+            if run.acc is None:
+                assert part.buf is not None
+                first_mb = run.stage.index == self.first_bwd[layer]
+                last_mb = run.stage.index == self.last_bwd[layer]
+                await self.d2h.put(GradsProduced(t, layer, part.m, part.buf, first_mb, last_mb))
+            if layer > 0 and not (part.j == last and sp.keep_out):
+                await self._stored("act_grad", t, layer - 1, part.m, gx, part.inline[1])
+
     def _fwd_job(
-        self, slot: torch.Tensor, x: torch.Tensor | None, batch: BatchReady, t: int, layer: int, m: int,
-        sinks: tuple[torch.Tensor | None, torch.Tensor | None],
+        self, slot: torch.Tensor, x: torch.Tensor | _Box | None, batch: BatchReady, t: int, layer: int, m: int,
+        sinks: tuple[torch.Tensor | None, torch.Tensor | None], keep: _Box | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Blocking: (layer-0 checkpoint or None, loss share or None, output). Each output
-        with a sink (Engine.inline_store) is also written there."""
+        with a sink (Engine.inline_store) is also written there; the output is also kept in
+        `keep` for the next stage's first job."""
         k = self.e.kernels
         first = None
         if layer == 0:
             x = first = k.pre(batch.inputs[m], t, m)
-        assert x is not None
-        y = k.block_fwd(slot, x, t, layer, m)
+        y = k.block_fwd(slot, _tensor(x), t, layer, m)
         loss = None
         if layer == self.e.N - 1:
             loss, y = k.head(y, batch.targets[m], t, m)
         for out, sink in zip((first, y), sinks, strict=True):
             if sink is not None and out is not None:
                 sink.copy_(out.reshape(-1))
+        if keep is not None:
+            keep.tensor = y
         return first, loss, y
 
     async def _stored(self, kind: str, t: int, layer: int, m: int, tensor: torch.Tensor, inline: bool) -> None:
@@ -266,155 +445,33 @@ class Compute(Actor):
         e.traffic.add(t, "gpu", "cpu", kind, e.ckpt_elems * e.stores[kind].esize)
         await e.ledger.mark((kind, layer, m), t + 1)
 
-    async def _forward(
-        self,
-        t: int,
-        g: int,
-        stage: Stage,
-        sp: StagePlan,
-        slot: torch.Tensor,
-        batch: BatchReady,
-        carry: torch.Tensor | None,
-        losses: list[torch.Tensor],
-    ) -> torch.Tensor | None:
-        e, layer, mbs = self.e, stage.layer, stage.micro_batches
-        last = len(mbs) - 1
-        out_carry: torch.Tensor | None = None
-        pending: deque[_Job] = deque()
-        # the last layer's output is the head's gradient into it
-        out_kind, out_layer = ("act_grad", e.N - 1) if layer == e.N - 1 else ("ckpt", layer + 1)
-
-        async def done(job: _Job) -> None:
-            nonlocal out_carry
-            for part, (first, loss, out) in zip(job.parts, await self._finish(job, pending, t, layer), strict=True):
-                if first is not None:
-                    await self._stored("ckpt", t, 0, part.m, first, part.inline[0])
-                if loss is not None:
-                    losses.append(loss)
-                keep = part.j == last and sp.keep_out
-                if out_kind == "ckpt" or not keep:
-                    await self._stored(out_kind, t, out_layer, part.m, out, part.inline[1])
-                if keep:
-                    out_carry = out
-
-        try:
-            j = 0
-            while j <= last:
-                parts: list[_Part] = []
-                while j <= last and len(parts) < self.group:
-                    m = mbs[j]
-                    self.at(t, layer, m)
-                    x: torch.Tensor | None = None
-                    if layer == 0:
-                        pass  # the job embeds its tokens
-                    elif j == 0 and sp.carry_in:
-                        assert carry is not None
-                        x = carry
-                    else:
-                        got = await self._inputs([("ckpt", g, layer, m)], first=not parts)
-                        if got is None:
-                            break
-                        x = got[0]
-                    sinks = (
-                        e.inline_store("ckpt", 0, m) if layer == 0 else None,
-                        e.inline_store(out_kind, out_layer, m) if out_kind == "ckpt" or not (j == last and sp.keep_out) else None,
-                    )
-                    fn = functools.partial(self._fwd_job, slot, x, batch, t, layer, m, sinks)
-                    parts.append(_Part(f"fwd L{layer} mb{m}", j, m, fn, inline=(sinks[0] is not None, sinks[1] is not None)))
-                    j += 1
-                pending.append(await self._start(parts))
-                if len(pending) >= WINDOW:
-                    await done(pending.popleft())
-            while pending:
-                await done(pending.popleft())
-        except BaseException:
-            await self._drain(pending)
-            raise
-        return out_carry
-
     def _bwd_job(
-        self, slot: torch.Tensor, x: torch.Tensor, gy: torch.Tensor, buf: torch.Tensor, batch: BatchReady,
-        t: int, layer: int, m: int, accumulate: bool, sink: torch.Tensor | None,
+        self, slot: torch.Tensor, x: torch.Tensor, gy: torch.Tensor | _Box, buf: torch.Tensor, batch: BatchReady,
+        t: int, layer: int, m: int, accumulate: bool, sink: torch.Tensor | None, keep: _Box | None,
     ) -> torch.Tensor | None:
         """Blocking: the gradient into the block's input (None for layer 0, whose pre
-        backward runs here too), also written into `sink` if given (Engine.inline_store)."""
+        backward runs here too), also written into `sink` if given (Engine.inline_store)
+        and kept in `keep` for the next stage's first job."""
         k = self.e.kernels
-        gx = k.block_bwd(slot, x, gy, buf, t=t, layer=layer, m=m, accumulate=accumulate)
+        gx = k.block_bwd(slot, x, _tensor(gy), buf, t=t, layer=layer, m=m, accumulate=accumulate)
         if layer == 0:
             k.pre_bwd(batch.inputs[m], gx, t, m)
             return None
         if sink is not None:
             sink.copy_(gx.reshape(-1))
+        if keep is not None:
+            keep.tensor = gx
         return gx
 
-    async def _backward(
-        self,
-        t: int,
-        g: int,
-        stage: Stage,
-        sp: StagePlan,
-        slot: torch.Tensor,
-        batch: BatchReady,
-        carry: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        e, layer, mbs = self.e, stage.layer, stage.micro_batches
-        last = len(mbs) - 1
-        out_carry: torch.Tensor | None = None
-        acc = None
-        if e.vertical:  # the first micro-batch writes the slot, the others add to it
-            acc = await e.grad_slots.acquire()
-        # horizontal: each micro-batch takes a gradient buffer of its own, one job each
-        group = self.group if acc is not None else 1
-        pending: deque[_Job] = deque()
 
-        async def done(job: _Job) -> None:
-            nonlocal out_carry
-            for part, gx in zip(job.parts, await self._finish(job, pending, t, layer), strict=True):
-                if acc is None:
-                    assert part.buf is not None
-                    first = stage.index == self.first_bwd[layer]
-                    lastmb = stage.index == self.last_bwd[layer]
-                    await self.d2h.put(GradsProduced(t, layer, part.m, part.buf, first, lastmb))
-                if layer == 0:
-                    continue
-                if part.j == last and sp.keep_out:
-                    out_carry = gx
-                else:
-                    await self._stored("act_grad", t, layer - 1, part.m, gx, part.inline[1])
+def _tensor(x: torch.Tensor | _Box | None) -> torch.Tensor:
+    """On the compute thread: a job's input, or the output a job before it kept (`_Box`)."""
+    if isinstance(x, _Box):
+        assert x.tensor is not None, "the kept output of the stage before was not made"
+        return x.tensor
+    assert x is not None
+    return x
 
-        try:
-            j = 0
-            while j <= last:
-                parts: list[_Part] = []
-                while j <= last and len(parts) < group:
-                    m = mbs[j]
-                    self.at(t, layer, m)
-                    carried = j == 0 and sp.carry_in
-                    keys = [("ckpt", g, layer, m)] + ([] if carried else [("act_grad", g, layer, m)])
-                    got = await self._inputs(keys, first=not parts)
-                    if got is None:
-                        break
-                    x, gy = (got[0], carry) if carried else got
-                    assert gy is not None
-                    buf = acc if acc is not None else await e.grad_slots.acquire()
-                    stored = layer > 0 and not (j == last and sp.keep_out)
-                    sink = e.inline_store("act_grad", layer - 1, m) if stored else None
-                    fn = functools.partial(
-                        self._bwd_job, slot, x, gy, buf, batch, t, layer, m, acc is not None and j > 0, sink
-                    )
-                    parts.append(_Part(f"bwd L{layer} mb{m}", j, m, fn, buf=buf, inline=(False, sink is not None)))
-                    j += 1
-                pending.append(await self._start(parts))
-                if len(pending) >= WINDOW:
-                    await done(pending.popleft())
-            while pending:
-                await done(pending.popleft())
-        except BaseException:
-            await self._drain(pending)
-            raise
-        if acc is not None:
-            await self.d2h.put(GradsProduced(t, layer, -1, acc, True, True))
-        return out_carry
 
 def _total(losses: list[torch.Tensor]) -> float:
     return float(torch.stack(losses).sum().item())
