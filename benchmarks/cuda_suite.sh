@@ -2,8 +2,8 @@
 # Everything that needs a GPU, for a short lease: each part is one command of BENCHMARKS.md
 # section 8, results in benchmarks/results/ as usual.
 #
-#   bash benchmarks/cuda_suite.sh                   # all but setting_b, ~12 min on one H100
-#   bash benchmarks/cuda_suite.sh tests kernels     # some of: tests train kernels throughput allcpu storage setting_b
+#   bash benchmarks/cuda_suite.sh                   # all but setting_b, ~17 min on one H100 (overlap ~5 min, a guess)
+#   bash benchmarks/cuda_suite.sh tests kernels     # some of: tests train overlap allcpu kernels throughput storage setting_b
 #
 # Times seen on the H100 (round 10): tests 21 s, throughput 7 min, allcpu 1.5 min, storage 20 s.
 set -euo pipefail
@@ -12,12 +12,14 @@ export PYTHONUNBUFFERED=1
 python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'cuda_suite.sh: no CUDA device here')"
 GPT=(--layers 8 --width 2048 --seq 512)
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests train kernels throughput allcpu storage)
+[ ${#parts[@]} -eq 0 ] && parts=(tests train overlap allcpu kernels throughput storage)
 for part in "${parts[@]}"; do
   echo "== $part"
   case "$part" in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py ;;
     train) python3 -m snake.cli train --steps 30 --out benchmarks/.scratch/train-gpu ;;  # the README's main job on the GPU
+    overlap) python3 benchmarks/stage_overlap.py --device cuda "${GPT[@]}" --ms 4,16 --rounds 1 --steps 3 \
+               --name stage_overlap_gpu ;;  # round 11's run-ahead against waiting for each job
     kernels) python3 benchmarks/kernels.py --device cuda "${GPT[@]}" --m 16 --rounds 3 --ab-rounds 0 --name kernels_gpu ;;
     throughput) python3 benchmarks/throughput.py --device cuda "${GPT[@]}" --budget-mib 6300 --cap-mb 1000 \
                   --capped-only --roof-rounds 1 --steps 3 --ms 1,2,4,8,16,32 --name throughput_gpu ;;
@@ -26,6 +28,6 @@ for part in "${parts[@]}"; do
     allcpu) python3 benchmarks/throughput.py --device cuda "${GPT[@]}" --budget-mib 12000 --cap-mb 1000 \
               --capped-only --roof-rounds 1 --steps 3 --ms 4,16 --name throughput_gpu_allcpu ;;
     storage) for b in kvikio posix; do python3 benchmarks/storage.py --quick --backend "$b" --name "storage_${b}_gpu"; done ;;
-    *) echo "cuda_suite.sh: unknown part '$part' (use tests, train, kernels, throughput, allcpu, storage or setting_b)" >&2; exit 2 ;;
+    *) echo "cuda_suite.sh: unknown part '$part' (use tests, train, overlap, allcpu, kernels, throughput, storage or setting_b)" >&2; exit 2 ;;
   esac
 done

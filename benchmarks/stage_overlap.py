@@ -1,10 +1,16 @@
-"""Queuing the next stage's first micro-batch before the stage's last jobs are collected
-(`Compute._ahead`, round 11) against collecting them first (the runtime before it).
+"""How far the compute thread runs ahead of the device (round 11), variants side by side:
 
-    python benchmarks/stage_overlap.py             # ~4 min on 2 cores (CPU device)
+- `ahead`: the runtime. On CUDA a job's kernels are only queued (its outputs are handed on
+  at its end mark), and the next stage's first micro-batch is queued before a stage's last
+  jobs are collected (`Compute._ahead`).
+- `collect_first`: a stage's jobs are all collected before the next stage's first is queued.
+- `wait_each_job` (CUDA only): also the host waits for each job's kernels before the next
+  (the runtime before round 11, whose kernels each ended with a stream synchronize).
+
+    python benchmarks/stage_overlap.py             # ~1.5 min on 2 cores (CPU device)
     python benchmarks/stage_overlap.py --device cuda --layers 8 --width 2048 --seq 512 --ms 4,16
 
-Everything in CPU memory, so the compute actor sets the pace and its idle time shows. Both
+Everything in CPU memory, so the compute actor sets the pace and its idle time shows. The
 variants run in alternating rounds in one process. Per run: the median iteration time, the
 compute actor's idle share of the time between its first and last span of the timed
 iterations (gaps between consecutive spans, split into gaps inside a stage and gaps at a stage
@@ -35,10 +41,27 @@ from common import (  # type: ignore[import-not-found]
     save,
 )
 
+import snake.engine
 from snake import Placement, SnakeConfig, SnakeTrainer
 from snake.actors import compute
+from snake.device import StreamMarks
 
-VARIANTS = ("ahead", "collect_first")
+VARIANTS = ("ahead", "collect_first", "wait_each_job")
+
+
+class _WaitEachJob(StreamMarks):
+    """Marks come in (start, end) pairs per micro-batch: wait for each end as it is made."""
+
+    def __init__(self, device) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(device)
+        self.n = 0
+
+    def mark(self):  # type: ignore[no-untyped-def]
+        ev = super().mark()
+        self.n += 1
+        if self.n % 2 == 0:
+            ev.synchronize()
+        return ev
 
 
 async def one_run(cfg, *, m: int, seq: int, steps: int, schedule: str, variant: str, device: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -52,6 +75,9 @@ async def one_run(cfg, *, m: int, seq: int, steps: int, schedule: str, variant: 
         return out
 
     compute.Compute._ahead = counted  # type: ignore[method-assign]
+    marks = snake.engine.stream_marks
+    if variant == "wait_each_job":
+        snake.engine.stream_marks = _WaitEachJob  # type: ignore[assignment]
     try:
         with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
             conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0,
@@ -61,6 +87,7 @@ async def one_run(cfg, *, m: int, seq: int, steps: int, schedule: str, variant: 
                 spans = [s for s in t.trace.spans if s.actor == "compute"]
     finally:
         compute.Compute._ahead = real  # type: ignore[method-assign]
+        snake.engine.stream_marks = marks
     # the timed iterations: after the first "loss" span (the end of the warm-up iteration)
     warm_end = next(s.end_s for s in spans if s.name == "loss")
     timed = sorted((s for s in spans if s.start_s >= warm_end), key=lambda s: s.start_s)
@@ -96,12 +123,13 @@ def main() -> None:
         raise SystemExit("--ms takes positive integers; --schedules takes vertical and/or horizontal")
     SCRATCH.mkdir(parents=True, exist_ok=True)
     cfg = gpt_config(args.layers, args.width, args.seq)
+    variants = VARIANTS if device.startswith("cuda") else VARIANTS[:2]
     rows: dict[str, list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
     for rnd in range(args.rounds):
         for schedule in schedules:
             for m in ms:
-                order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
+                order = variants if rnd % 2 == 0 else tuple(reversed(variants))
                 for variant in order:
                     r = asyncio.run(one_run(cfg, m=m, seq=args.seq, steps=args.steps, schedule=schedule,
                                             variant=variant, device=device))
@@ -113,27 +141,30 @@ def main() -> None:
     summary: dict[str, dict[str, float]] = {}
     for schedule in schedules:
         for m in ms:
-            a, c = rows[f"{schedule} M={m} ahead"], rows[f"{schedule} M={m} collect_first"]
-            ratios = [x["iteration_s"] / y["iteration_s"] for x, y in zip(a, c, strict=True)]
-            summary[f"{schedule} M={m}"] = {
-                "iteration_ratio_ahead_over_collect": statistics.median(ratios),
-                "ratios": ratios,
-                **{f"{v}_{f}": statistics.median(r[f] for r in rows[f"{schedule} M={m} {v}"])
-                   for v in VARIANTS for f in ("iteration_s", "idle_within_stage", "idle_at_boundary")},
+            a = rows[f"{schedule} M={m} ahead"]
+            entry: dict[str, Any] = {
+                f"{v}_{f}": statistics.median(r[f] for r in rows[f"{schedule} M={m} {v}"])
+                for v in variants for f in ("iteration_s", "idle_within_stage", "idle_at_boundary")
             }
-    for k, v in summary.items():
-        print(f"{k:16s} ahead/collect-first iteration time {v['iteration_ratio_ahead_over_collect']:.3f} "
-              f"(rounds {', '.join(f'{x:.3f}' for x in v['ratios'])}); idle at boundaries "
-              f"{v['ahead_idle_at_boundary']:.3f} vs {v['collect_first_idle_at_boundary']:.3f}")
+            for v in variants[1:]:  # per round: the runtime's iteration time over the variant's
+                ratios = [x["iteration_s"] / y["iteration_s"] for x, y in zip(a, rows[f"{schedule} M={m} {v}"], strict=True)]
+                entry[f"ahead_over_{v}"] = statistics.median(ratios)
+                entry[f"ahead_over_{v}_rounds"] = ratios
+            summary[f"{schedule} M={m}"] = entry
+    for k, e in summary.items():
+        print(f"{k:16s} " + "; ".join(
+            f"ahead/{v} iteration time {e[f'ahead_over_{v}']:.3f} (rounds "
+            f"{', '.join(f'{x:.3f}' for x in e[f'ahead_over_{v}_rounds'])})" for v in variants[1:])
+            + "; idle at boundaries " + " / ".join(f"{e[f'{v}_idle_at_boundary']:.3f}" for v in variants))
     fig, (ax,) = figure()
     keys = list(summary)
-    for i, v in enumerate(VARIANTS):
-        ax.bar([x + 0.4 * i for x in range(len(keys))], [summary[k][f"{v}_idle_at_boundary"] for k in keys],
-               width=0.4, label=f"{v}: at stage boundaries")
-        ax.bar([x + 0.4 * i for x in range(len(keys))], [summary[k][f"{v}_idle_within_stage"] for k in keys],
-               width=0.4, bottom=[summary[k][f"{v}_idle_at_boundary"] for k in keys], alpha=0.4,
-               label=f"{v}: inside a stage")
-    ax.set_xticks([x + 0.2 for x in range(len(keys))], keys)
+    w = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        xs = [x + w * i for x in range(len(keys))]
+        ax.bar(xs, [summary[k][f"{v}_idle_at_boundary"] for k in keys], width=w, label=f"{v}: at stage boundaries")
+        ax.bar(xs, [summary[k][f"{v}_idle_within_stage"] for k in keys], width=w,
+               bottom=[summary[k][f"{v}_idle_at_boundary"] for k in keys], alpha=0.4, label=f"{v}: inside a stage")
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(keys))], keys)
     ax.set_ylabel("compute actor idle, share of wall")
     ax.legend(fontsize=8)
     fig.tight_layout()
