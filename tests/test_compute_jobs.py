@@ -199,3 +199,40 @@ async def test_failed_queued_job_waits_for_the_device_before_the_error_surfaces(
             await asyncio.wait_for(trainer.run(2), timeout=120)
     assert dev.drained == 1
     assert not [t for t in threading.enumerate() if t.name.startswith("snake-")]
+
+
+@pytest.mark.asyncio
+async def test_cancelled_with_the_next_stage_queued_waits_for_every_queued_job(tmp_path, monkeypatch):
+    """Cancelled right after the next stage's first job was queued ahead: the cancellation
+    surfaces only after the device has reached every job the compute thread queued (none
+    is left using a buffer), and no snake thread is left."""
+    import threading
+
+    import snake.engine
+
+    dev = _LaggingDevice()
+    monkeypatch.setattr(snake.engine, "stream_marks", lambda device: dev)
+    jobs = [0]
+    start, ahead = compute.Compute._start, compute.Compute._ahead
+    task: list[asyncio.Task] = []
+
+    async def counted(self, parts):  # type: ignore[no-untyped-def]
+        jobs[0] += 1
+        return await start(self, parts)
+
+    async def cancel_after(self, run, nxt, batch):  # type: ignore[no-untyped-def]
+        out = await ahead(self, run, nxt, batch)
+        if out is not None and out.pending and run.stage.index >= 3:
+            task[0].cancel()
+        return out
+
+    monkeypatch.setattr(compute.Compute, "_start", counted)
+    monkeypatch.setattr(compute.Compute, "_ahead", cancel_after)
+    cfg = SnakeConfig(device="cpu", micro_batches=M, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0)
+    async with SnakeTrainer(tiny_gpt(n_layer=N), data=batches(2, 2 * M), config=cfg) as trainer:
+        task.append(asyncio.ensure_future(trainer.run(2)))
+        with pytest.raises(asyncio.CancelledError):
+            await task[0]
+        assert jobs[0] > 0
+        assert sum(1 for kind, _ in dev.log if kind == "waited") == jobs[0]
+    assert not [t for t in threading.enumerate() if t.name.startswith("snake-")]

@@ -154,23 +154,28 @@ class Compute(Actor):
             box: _Box | None = None  # the output the stage before kept on the device
             ahead: _StageRun | None = None  # the next stage, its first job maybe already queued
             stages = list(zip(e.stages, self.carry_plan, strict=True))
-            for i, (stage, sp) in enumerate(stages):
-                g = t * e.S + stage.index
-                self.at(t, stage.layer)
-                await self.clock.publish(g)
+            try:
+                for i, (stage, sp) in enumerate(stages):
+                    g = t * e.S + stage.index
+                    self.at(t, stage.layer)
+                    await self.clock.publish(g)
+                    if ahead is not None:
+                        run, ahead = ahead, None
+                    else:
+                        params = await self.inbox.take(("param", g))
+                        acc = await e.grad_slots.acquire() if e.vertical and stage.phase == "bwd" else None
+                        run = _StageRun(t, g, stage, sp, params, box, acc)
+                    nxt = (t * e.S + stages[i + 1][0].index, *stages[i + 1]) if i + 1 < len(stages) else None
+                    try:
+                        ahead = await self._stage(run, batch, losses, nxt)
+                    finally:
+                        if run.params.pooled:
+                            e.param_slots.release(run.params.slot)
+                    box = run.box_out
+            except BaseException:  # cancelled between two stages: the next one's queued job first
                 if ahead is not None:
-                    run, ahead = ahead, None
-                else:
-                    params = await self.inbox.take(("param", g))
-                    acc = await e.grad_slots.acquire() if e.vertical and stage.phase == "bwd" else None
-                    run = _StageRun(t, g, stage, sp, params, box, acc)
-                nxt = (t * e.S + stages[i + 1][0].index, *stages[i + 1]) if i + 1 < len(stages) else None
-                try:
-                    ahead = await self._stage(run, batch, losses, nxt)
-                finally:
-                    if run.params.pooled:
-                        e.param_slots.release(run.params.slot)
-                box = run.box_out
+                    await self._drop(ahead)
+                raise
             self.at(t)
             await self._k("resident step", e.kernels.resident_step, t + 1)
             loss = await self._k("loss", _total, losses)
@@ -302,9 +307,7 @@ class Compute(Actor):
         except BaseException:
             await self._drain(pending)
             if ahead is not None:
-                await self._drain(ahead.pending)
-                if ahead.params.pooled:
-                    self.e.param_slots.release(ahead.params.slot)
+                await self._drop(ahead)
             raise
         if run.acc is not None:
             await self.d2h.put(GradsProduced(run.t, run.stage.layer, -1, run.acc, True, True))
@@ -330,11 +333,18 @@ class Compute(Actor):
             if part is not None:
                 ahead.pending.append(await self._start([part]))
         except BaseException:
-            await self._drain(ahead.pending)
-            if params.pooled:
-                e.param_slots.release(params.slot)
+            await self._drop(ahead)
             raise
         return ahead
+
+    async def _drop(self, ahead: _StageRun) -> None:
+        """After a failure or cancellation: let the next stage's queued job finish, then
+        return its parameter slot."""
+        try:
+            await self._drain(ahead.pending)
+        finally:
+            if ahead.params.pooled:
+                self.e.param_slots.release(ahead.params.slot)
 
     async def _part(self, run: _StageRun, batch: BatchReady, wait: bool) -> _Part | None:
         """The stage's next micro-batch as a part of a job, its inputs taken from the inbox
