@@ -38,24 +38,28 @@ async def test_parity_on_cuda_with_each_storage_backend(tmp_path, backend):
     await _parity(tmp_path, "vertical", "all-ssd", backend)
 
 
-async def _parity(tmp_path, schedule, where, backend):
+async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batch=6, seq=16):  # type: ignore[no-untyped-def]
+    """Three iterations of snake and of PyTorch on the GPU: the same losses and weights.
+    Returns snake's trace spans."""
     placement, alpha = PLACEMENTS[where]
-    model = tiny_gpt(n_layer=4, bias=False)
-    data = batches(3, 6)
+    model = tiny_gpt(n_layer=4, n_embd=width, bias=False)
+    data = batches(3, batch, seq=seq)
     # the reference runs on the same GPU: against a CPU reference, cuBLAS's rounding moved
     # one weight in 16,384 by 4e-5 after 3 AdamW steps (Adam divides by sqrt(v), so a tiny
     # gradient difference in a weight with a tiny v is magnified)
-    want, want_losses = reference(model, data, 3, device="cuda")
+    want, want_losses = reference(model, data, micro, device="cuda")
     cfg = SnakeConfig(
-        micro_batches=3, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule, device="cuda",
+        micro_batches=micro, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule, device="cuda",
         storage_backend=backend,
     )
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         report = await trainer.run(3)
         got = await trainer.state_dict()
+        spans = list(trainer.trace.spans)
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    return spans
 
 
 @pytest.mark.cuda
@@ -103,19 +107,9 @@ async def test_queued_jobs_on_cuda_match_pytorch_and_trace_gpu_time(tmp_path, sc
     after the forward that made them."""
     from collections import Counter
 
-    model = tiny_gpt(n_layer=4, n_embd=512, bias=False)
-    data = batches(3, 16, seq=32)
-    want, want_losses = reference(model, data, 8, device="cuda")
-    cfg = SnakeConfig(micro_batches=8, offload_dir=tmp_path, placement=PLACEMENTS["mixed"][0], alpha=0.3,
-                      schedule=schedule, device="cuda")
-    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
-        report = await trainer.run(3)
-        got = await trainer.state_dict()
-        spans = [s for s in trainer.trace.spans if s.actor == "compute" and s.name.split()[0] in ("fwd", "bwd")]
-        copies = [s for s in trainer.trace.spans if s.actor == "d2h" and s.name.startswith("ckpt ")]
-    assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    trace = await _parity(tmp_path, schedule, "mixed", "auto", width=512, micro=8, batch=16, seq=32)
+    spans = [s for s in trace if s.actor == "compute" and s.name.split()[0] in ("fwd", "bwd")]
+    copies = [s for s in trace if s.actor == "d2h" and s.name.startswith("ckpt ")]
     assert len(spans) == 3 * 2 * 4 * 8
     made: dict[str, list] = {}
     for sp in spans:
