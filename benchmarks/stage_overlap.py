@@ -117,10 +117,15 @@ def main() -> None:
     device = checked_device(args, positive=("rounds", "steps"))
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first iteration is a warm-up)")
-    ms = [int(x) for x in args.ms.split(",")]
+    try:
+        ms = [int(x) for x in args.ms.split(",")]
+    except ValueError:
+        ms = []
+    if not ms or min(ms) < 1:
+        raise SystemExit(f"--ms {args.ms}: give positive integers separated by commas, e.g. 4,8")
     schedules = args.schedules.split(",")
-    if not ms or min(ms) < 1 or any(s not in ("vertical", "horizontal") for s in schedules):
-        raise SystemExit("--ms takes positive integers; --schedules takes vertical and/or horizontal")
+    if any(s not in ("vertical", "horizontal") for s in schedules):
+        raise SystemExit(f"--schedules {args.schedules}: give vertical and/or horizontal, e.g. vertical,horizontal")
     SCRATCH.mkdir(parents=True, exist_ok=True)
     cfg = gpt_config(args.layers, args.width, args.seq)
     variants = VARIANTS if device.startswith("cuda") else VARIANTS[:2]
