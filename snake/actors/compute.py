@@ -357,8 +357,7 @@ class Compute(Actor):
         carried = j == 0 and sp.carry_in
         self.at(t, layer, m)
         if run.stage.phase == "fwd":
-            # the last layer's output is the head's gradient into it
-            out_kind, out_layer = ("act_grad", e.N - 1) if layer == e.N - 1 else ("ckpt", layer + 1)
+            out_kind, out_layer = self._fwd_output(layer)
             x: torch.Tensor | _Box | None = None
             if layer == 0:
                 pass  # the job embeds its tokens
@@ -399,13 +398,19 @@ class Compute(Actor):
         run.j += 1
         return _Part(f"bwd L{layer} mb{m}", j, m, bwd, buf=buf, inline=(False, sink is not None))
 
+    def _fwd_output(self, layer: int) -> tuple[str, int]:
+        """(kind, layer) of the stored unit a layer's forward output goes to: the next
+        layer's input checkpoint; for the last layer, the head's gradient into it."""
+        n = self.e.N
+        return ("act_grad", n - 1) if layer == n - 1 else ("ckpt", layer + 1)
+
     async def _done(self, run: _StageRun, job: _Job, losses: list[torch.Tensor]) -> None:
         """Hand a finished job's outputs on."""
-        e, t, layer, sp = self.e, run.t, run.stage.layer, run.sp
+        t, layer, sp = run.t, run.stage.layer, run.sp
         outs = await self._finish(job, run.pending, t, layer)
         last = len(run.stage.micro_batches) - 1
         if run.stage.phase == "fwd":
-            out_kind, out_layer = ("act_grad", e.N - 1) if layer == e.N - 1 else ("ckpt", layer + 1)
+            out_kind, out_layer = self._fwd_output(layer)
             for part, (first, loss, out) in zip(job.parts, outs, strict=True):
                 if first is not None:
                     await self._stored("ckpt", t, 0, part.m, first, part.inline[0])
