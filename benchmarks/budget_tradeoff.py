@@ -4,14 +4,19 @@ machine, "saturated vertical / horizontal >= 1.9x" and "vertical reaches 90 % of
 saturation with half the micro-batches" pull the budget in opposite directions.
 
     python benchmarks/budget_tradeoff.py [--budgets 345,360,380,400,420,440] [--ms 1,2,4,8,16,32]
+    python benchmarks/budget_tradeoff.py --source throughput_run_y --caps 650,1000,1400 --name budget_tradeoff_y
 
-Planner predictions only (no training); `throughput.py --capped-only --budget-mib B --name
-throughput_budgetB` measures a budget for real. Writes benchmarks/results/budget_tradeoff.json.
+Planner predictions only (no training) from the capped profile saved by a throughput.py run
+(`--source`, default `throughput`); `--caps` (MB/s) replaces its SSD read and write bandwidth
+with each cap in turn, to look for a setting on a machine other than the one it was measured
+on. `throughput.py --capped-only --budget-mib B --cap-mb C --name ...` measures one for real.
+Writes benchmarks/results/NAME.json (default budget_tradeoff).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from common import RESULTS, SCRATCH, save  # type: ignore[import-not-found]
@@ -27,13 +32,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", default="345,360,380,400,420,440", help="MiB")
     ap.add_argument("--ms", default="1,2,4,8,16,32")
+    ap.add_argument("--source", default="throughput", help="throughput.py results whose capped profile to use (results/NAME.json)")
+    ap.add_argument("--caps", default=None, help="SSD caps in MB/s to predict (default: the source's own cap)")
+    ap.add_argument("--name", default="budget_tradeoff", help="results file (benchmarks/results/NAME.json)")
     args = ap.parse_args()
-    saved = json.loads((RESULTS / "throughput.json").read_text())
+    src = RESULTS / f"{args.source}.json"
+    if not src.exists():
+        ap.error(f"--source {args.source}: no {src.name} in benchmarks/results; run throughput.py --name {args.source} first")
+    saved = json.loads(src.read_text())
     base = MachineProfile.from_json(saved["profiles"]["capped"])
     ms = [int(x) for x in args.ms.split(",")]
+    caps = [saved["cap_bytes_per_s"]] if args.caps is None else [float(c) * 1e6 for c in args.caps.split(",")]
     rows = []
-    for mib in (float(b) for b in args.budgets.split(",")):
+    for cap, mib in ((c, float(b)) for c in caps for b in args.budgets.split(",")):
         prof = with_budgets(base, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=int(mib * 2**20)))
+        prof = dataclasses.replace(prof, ssd_read_bytes_per_s=cap, ssd_write_bytes_per_s=cap)
         curves: dict[str, list[tuple[int, float]]] = {}
         for sched in ("vertical", "horizontal"):
             pts = []
@@ -43,15 +56,15 @@ def main() -> None:
             curves[sched] = pts
         v, h = curves["vertical"], curves["horizontal"]
         row = {
-            "budget_mib": mib, "vertical": v, "horizontal": h,
+            "budget_mib": mib, "cap_bytes_per_s": cap, "vertical": v, "horizontal": h,
             "saturated_vertical_over_horizontal": max(t for _, t in v) / max(t for _, t in h),
             "M_to_90pct_vertical": first_at(v, 0.9), "M_to_90pct_horizontal": first_at(h, 0.9),
         }
         rows.append(row)
-        print(f"{mib:5.0f} MiB  vertical {[round(t) for _, t in v]}  horizontal {[round(t) for _, t in h]}  "
+        print(f"{cap / 1e6:5.0f} MB/s {mib:5.0f} MiB  vertical {[round(t) for _, t in v]}  horizontal {[round(t) for _, t in h]}  "
               f"saturated v/h {row['saturated_vertical_over_horizontal']:.2f}  M to 90 %: "
               f"v {row['M_to_90pct_vertical']} h {row['M_to_90pct_horizontal']}", flush=True)
-    print(save("budget_tradeoff", {"Ms": ms, "cap_bytes_per_s": saved["cap_bytes_per_s"], "rows": rows}))
+    print(save(args.name, {"source": args.source, "Ms": ms, "caps_bytes_per_s": caps, "rows": rows}))
 
 
 if __name__ == "__main__":

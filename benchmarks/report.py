@@ -1,11 +1,13 @@
 """Print the markdown tables of BENCHMARKS.md from benchmarks/results/*.json.
 
-    python benchmarks/report.py
+    python benchmarks/report.py          # every table
+    python benchmarks/report.py runs     # one row per throughput.py run on record (section 1)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 R = Path(__file__).resolve().parent / "results"
@@ -75,6 +77,49 @@ def throughput() -> None:
     print("\nsummary:", json.dumps({k: v for k, v in d["summary"].items()}, indent=1))
 
 
+def _min_ratio(points) -> str:
+    """The lowest vertical / min(roofs) over a sweep, with its M, and how many points reach 0.9."""
+    if not points:
+        return "-"
+    low = min(points, key=lambda x: x["ratio"])
+    ok = sum(x["ratio"] >= 0.9 for x in points)
+    return f"{low['ratio']:.2f} (M={low['M']}), {ok}/{len(points)}"
+
+
+def run_row(name: str, d: dict) -> str:
+    """One throughput.py run: its setting and where it stands against issue 4's first three targets."""
+    c = d["summary"]["capped"]
+    m = d["model"]
+    budget = d.get("cpu_memory_budget_bytes")
+    link = d.get("device_link_bytes_per_s")
+    setting = (f"{m['n_layer']}x{m['n_embd']} seq {m['seq']}, {d['machine']['cores']} cores{', ' + d['device'] if d.get('device') else ''}; "
+               f"{budget / 2**20:.0f} MiB, {d['cap_bytes_per_s'] / 1e6:.0f} MB/s" if budget else "-")
+    if link:
+        setting += f", link {link / 1e6:.0f} MB/s"
+    mv, mh = c["M_to_90pct_vertical"], c["M_to_90pct_horizontal"]
+    mv16, mh16 = c["M_to_90pct_vertical_upto16"], c["M_to_90pct_horizontal_upto16"]
+    pooled = c.get("M_to_90pct_vertical_pooled")
+    unc = d["summary"].get("uncapped", {}).get("saturated_vertical_over_horizontal")
+    return (f"| {name} | {setting} | {max(d['Ms'])} | {c['saturated_vertical_over_horizontal']:.2f} | "
+            f"{c['saturated_vertical_over_horizontal_upto16']:.2f} | {mv} vs {mh}{' (pooled ' + str(pooled) + ')' if pooled else ''} | "
+            f"{mv16} vs {mh16} | {_min_ratio(c['vertical_vs_roofline'])} | "
+            f"{_min_ratio(c.get('vertical_vs_roofline_pooled', []))} | "
+            f"{_min_ratio(c.get('vertical_vs_roofline_back_to_back', []))} | {fmt(unc, 2)} |")
+
+
+def runs_table() -> None:
+    """Every throughput.py run whose JSON is kept (results/ and results/logs/), one row each."""
+    files = sorted(R.glob("throughput*.json")) + sorted((R / "logs").glob("throughput*.json"))
+    print("\n### throughput runs on record\n")
+    print("| run | setting (model, cores, device; budget, SSD cap) | max M | v/h saturated | v/h, M <= 16 | M to 90 % v vs h | same, M <= 16 "
+          "| v / min(roofs): lowest (M), points >= 0.9 | same, pairs pooled | same, back-to-back pairs | v/h uncapped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for f in sorted(files, key=lambda f: f.stem):
+        d = json.loads(f.read_text())
+        if "summary" in d and "capped" in d["summary"]:
+            print(run_row(f.stem, d))
+
+
 def rounds(r) -> str:
     xs = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
     return f"{r['tokens_per_s']:.0f}" + (f" [{min(xs):.0f}-{max(xs):.0f}]" if len(xs) > 1 else "")
@@ -139,8 +184,14 @@ def plan() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["runs"]:
+        runs_table()
+        sys.exit(0)
+    if sys.argv[1:]:
+        sys.exit(f"usage: python benchmarks/report.py [runs]  (got {' '.join(sys.argv[1:])!r})")
     throughput()
     delay()
     storage()
     overheads()
     plan()
+    runs_table()

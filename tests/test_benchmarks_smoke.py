@@ -161,3 +161,29 @@ def test_model_flags_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device here; use --device cpu"):
             common.checked_device(ap.parse_args(["--device", "cuda"]))
+
+
+def test_report_runs_has_one_row_per_run(capsys):
+    report = importlib.import_module("report")
+    d = {
+        "model": {"n_layer": 8, "n_embd": 512, "seq": 32},
+        "machine": {"cores": 2},
+        "cpu_memory_budget_bytes": 330 * 2**20,
+        "cap_bytes_per_s": 650e6,
+        "Ms": [1, 8, 16],
+        "summary": {"capped": {
+            "saturated_vertical_over_horizontal": 2.5, "saturated_vertical_over_horizontal_upto16": 2.4,
+            "M_to_90pct_vertical": 8, "M_to_90pct_horizontal": 16,
+            "M_to_90pct_vertical_upto16": 8, "M_to_90pct_horizontal_upto16": 16,
+            "vertical_vs_roofline": [{"M": 1, "ratio": 1.0}, {"M": 8, "ratio": 0.85}, {"M": 16, "ratio": 0.95}],
+        }},
+    }
+    row = report.run_row("b9", d)
+    assert row.startswith("| b9 | 8x512 seq 32, 2 cores; 330 MiB, 650 MB/s | 16 | 2.50 | 2.40 | 8 vs 16 | 8 vs 16 |")
+    # the lowest point and how many of the sweep's points reach 0.9 of the roofline
+    assert "| 0.85 (M=8), 2/3 |" in row
+    report.runs_table()
+    out = capsys.readouterr().out
+    kept = list(report.R.glob("throughput*.json")) + list((report.R / "logs").glob("throughput*.json"))
+    assert len(kept) > 0
+    assert sum(line.startswith("| throughput") for line in out.splitlines()) == len(kept)
