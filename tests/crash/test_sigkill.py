@@ -1,13 +1,16 @@
 """Crash tests: SIGKILL the training process 20 times, at random moments and (every other
 kill) right after a `save` has created its temporary directory; each time resuming from the
 last checkpoint works, and the final weights equal those of an uninterrupted run, bit for
-bit."""
+bit. The kills are timed by the run's own progress (its "saved" lines), not by the clock, so
+that a fast machine does not finish the run before the twentieth kill."""
 
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 250  # enough that 20 kills 1-3 s after start never reach the end (~70 ms per step + save)
+STEPS = 250  # 20 kills after at most 4 new steps each never reach the end
 
 
 def _start(tmp: Path, name: str) -> subprocess.Popen:
@@ -30,6 +33,42 @@ def _start(tmp: Path, name: str) -> subprocess.Popen:
 
 def _temporaries(tmp: Path) -> set[Path]:
     return set(tmp.glob(".ckpt-crash.tmp-*"))
+
+
+class _Output:
+    """The run's output lines, read on a thread as they come (a hung run fails by timeout)."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.p = p
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.reader = threading.Thread(target=self._read, args=(p,), daemon=True)
+        self.reader.start()
+
+    def _read(self, p: subprocess.Popen) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # the run ended
+
+    def until_saves(self, n: int, timeout: float = 60.0) -> None:
+        """Wait until the run has printed n more "saved" lines, or ended."""
+        while n > 0:
+            line = self.lines.get(timeout=timeout)
+            if not line:
+                self.lines.put("")
+                return
+            self.seen.append(line)
+            n -= line.startswith("saved")
+
+    def rest(self, timeout: float = 60.0) -> str:
+        """Everything the run printed; call once it has ended."""
+        self.reader.join(timeout)
+        assert self.p.stdout is not None
+        self.p.stdout.close()
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen)
 
 
 def _wait_for_save(tmp: Path, p: subprocess.Popen, stale: set[Path], timeout: float = 30.0) -> None:
@@ -55,16 +94,22 @@ def test_sigkill_20_times_then_resume_equals_uninterrupted(tmp_path):
     while kills < 20:
         stale = _temporaries(tmp_path)  # left by an earlier kill, removed by the next save
         p = _start(tmp_path, "crash")
-        # import and set-up take ~1-2 s; steps and saves alternate after that
-        time.sleep(rng.uniform(1.0, 3.0))
+        output = _Output(p)
+        steps = rng.randint(0, 4)
+        if steps:  # a few steps in, then somewhere inside a step (or its save)
+            output.until_saves(steps)
+            time.sleep(rng.uniform(0.0, 0.05))
+        else:  # during import, set-up or the load of the checkpoint
+            time.sleep(rng.uniform(0.2, 1.5))
         if kills % 2:  # aim inside save(): kill as soon as its temporary directory appears
             _wait_for_save(tmp_path, p, stale)
         if p.poll() is not None:  # it finished before the kill
-            out = p.communicate()[0]
-            assert p.returncode == 0, out
+            out = output.rest()
+            assert p.wait() == 0, out
             break
         p.send_signal(signal.SIGKILL)
-        out = p.communicate(timeout=60)[0]
+        p.wait(timeout=60)
+        out = output.rest()
         assert p.returncode == -signal.SIGKILL
         assert "Traceback" not in out, out
         resumed += "resumed at" in out
