@@ -126,9 +126,12 @@ async def test_queued_device_jobs_run_ahead_hand_on_outputs_when_reached_and_tra
     monkeypatch.setattr(snake.engine, "stream_marks", lambda device: dev)
     data = batches(2, 2 * M)
     want, _ = reference(tiny_gpt(n_layer=N), data, M)
+    exact, _ = reference(tiny_gpt(n_layer=N).double(), data, M)
     got, _, _ = await train(tiny_gpt(n_layer=N), data, 2, micro_batches=M, offload_dir=tmp_path,
                             placement=Placement.all_cpu(), alpha=0.0, schedule=schedule)
-    assert_close_state(got, want)
+    # one element of wte in 6,144 is 2.7e-6 off PyTorch's fp32 on an AVX-512 machine, 9e-7 off
+    # float64's where PyTorch is 3.7e-6 off: the order of the tied weight's sums, not a bug
+    assert_close_state(got, want, exact=exact)
     assert dev.drained == 0
     # run-ahead: a later job's first mark was queued before an earlier job's end was reached
     order = {entry: i for i, entry in enumerate(dev.log)}
