@@ -54,6 +54,8 @@ AB = {
                lambda: setattr(Engine, "inline_stores", True)),
     "group": ("_one_per_job", lambda: setattr(compute, "CPU_GROUP", 1),
               lambda: setattr(compute, "CPU_GROUP", GROUP)),
+    "optimizer": ("_optimizer_threads", lambda: setattr(Engine, "optimizer_on_compute", False),
+                  lambda: setattr(Engine, "optimizer_on_compute", True)),
 }
 GROUP = compute.CPU_GROUP
 
@@ -271,7 +273,8 @@ def main() -> None:
     ap.add_argument("--slope", type=float, default=None, help="skip part 1, use this slope")
     ap.add_argument("--ab", choices=sorted(AB), default=None,
                     help="part 2 also with a CPU-device shortcut off, in the same pairs: inline (the compute "
-                         "thread stores activations itself) or group (several micro-batches per compute job)")
+                         "thread stores activations itself), group (several micro-batches per compute job) or "
+                         "optimizer (AdamW on the compute thread)")
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
     ap.add_argument("--op-cost-m", type=int, default=16, metavar="M", help="micro-batches for part 3")

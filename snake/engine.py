@@ -33,6 +33,9 @@ from snake.trace import Tracer, Traffic
 class Engine:
     # inline_store in use (benchmarks/contention.py turns it off to measure what it saves)
     inline_stores = True
+    # AdamW on the compute thread where that is faster (optimizer_runs_on_compute; the same
+    # benchmark turns it off)
+    optimizer_on_compute = True
 
     def __init__(
         self,
@@ -102,8 +105,9 @@ class Engine:
         self._make_grads()
         init = helper_thread_init(device)  # on a CPU device: one intra-op thread outside compute
         copy = ThreadPoolExecutor(1, thread_name_prefix="snake-copy", initializer=init)
+        compute = ThreadPoolExecutor(1, thread_name_prefix="snake-compute", initializer=name_native_thread)
         self.executors = {
-            "compute": ThreadPoolExecutor(1, thread_name_prefix="snake-compute", initializer=name_native_thread),
+            "compute": compute,
             # device -> host ("copy") and host -> device ("h2d"): one thread on a CPU device,
             # where a copy is a memcpy on the kernels' cores; on CUDA one each, so that a
             # layer's parameter load does not queue behind a gradient's copy and CPU add
@@ -113,12 +117,24 @@ class Engine:
             "h2d": copy if device.type == "cpu" else ThreadPoolExecutor(
                 1, thread_name_prefix="snake-h2d", initializer=init),
             "io": ThreadPoolExecutor(config.io_threads, thread_name_prefix="snake-io", initializer=init),
-            "optimizer": ThreadPoolExecutor(self.workers, thread_name_prefix="snake-optimizer", initializer=init),
+            "optimizer": compute if self.optimizer_runs_on_compute() else ThreadPoolExecutor(
+                self.workers, thread_name_prefix="snake-optimizer", initializer=init),
             "data": data_executor,
             # waits for the compute stream's marks (CUDA; no thread starts until first used)
             "sync": ThreadPoolExecutor(1, thread_name_prefix="snake-sync", initializer=init),
         }
         self.marks = stream_marks(device)
+
+    def optimizer_runs_on_compute(self) -> bool:
+        """On a CPU device with parameters and optimizer states all in CPU memory, AdamW runs
+        on the compute thread, between jobs and on every core. On its own thread it took one of
+        the two cores from the kernels' thread team for a whole layer's step, at one thread's
+        speed: all in CPU memory, M = 4, PyTorch + checkpointing / snake 0.90 with it against
+        0.81 (4 pairs, every pair better; M = 16: 1.05 / 0.99). Where a step's output goes to
+        the SSD, its latency matters more than its cores: waiting behind a compute job there
+        measured 2-3 % slower at the I/O-bound point (BENCHMARKS.md section 7)."""
+        p = self.placement
+        return self.optimizer_on_compute and self.device.type == "cpu" and p.opt >= 1.0 and p.param >= 1.0
 
     async def link_wait(self, link: str, nbytes: int) -> None:
         """With `device_link_bytes_per_s`: wait until `nbytes` may cross the host<->device
@@ -315,7 +331,7 @@ class Engine:
             p.check_all_returned()
 
     def shutdown_executors(self) -> None:
-        for ex in self.executors.values():
+        for ex in dict.fromkeys(self.executors.values()):  # shared ones once
             ex.shutdown(wait=True, cancel_futures=True)
 
     def close_files(self) -> None:
