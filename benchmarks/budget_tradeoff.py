@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16,32")
     ap.add_argument("--source", default="throughput", help="throughput.py results whose capped profile to use (results/NAME.json)")
     ap.add_argument("--caps", default=None, help="SSD caps in MB/s to predict (default: the source's own cap)")
+    ap.add_argument("--compute-scale", type=float, default=1.0,
+                    help="multiply the profile's block and pre/post times (e.g. measured / probed compute)")
     ap.add_argument("--name", default="budget_tradeoff", help="results file (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     src = RESULTS / f"{args.source}.json"
@@ -41,6 +43,11 @@ def main() -> None:
         ap.error(f"--source {args.source}: no {src.name} in benchmarks/results; run throughput.py --name {args.source} first")
     saved = json.loads(src.read_text())
     base = MachineProfile.from_json(saved["profiles"]["capped"])
+    k = args.compute_scale
+    if k <= 0:
+        ap.error(f"--compute-scale {k}: must be > 0 (1 keeps the probed times)")
+    base = dataclasses.replace(base, fwd_seconds=base.fwd_seconds * k, recompute_seconds=base.recompute_seconds * k,
+                               bwd_seconds=base.bwd_seconds * k, pre_post_seconds=base.pre_post_seconds * k)
     ms = [int(x) for x in args.ms.split(",")]
     caps = [saved["cap_bytes_per_s"]] if args.caps is None else [float(c) * 1e6 for c in args.caps.split(",")]
     rows = []
@@ -64,7 +71,7 @@ def main() -> None:
         print(f"{cap / 1e6:5.0f} MB/s {mib:5.0f} MiB  vertical {[round(t) for _, t in v]}  horizontal {[round(t) for _, t in h]}  "
               f"saturated v/h {row['saturated_vertical_over_horizontal']:.2f}  M to 90 %: "
               f"v {row['M_to_90pct_vertical']} h {row['M_to_90pct_horizontal']}", flush=True)
-    print(save(args.name, {"source": args.source, "Ms": ms, "caps_bytes_per_s": caps, "rows": rows}))
+    print(save(args.name, {"source": args.source, "compute_scale": k, "Ms": ms, "caps_bytes_per_s": caps, "rows": rows}))
 
 
 if __name__ == "__main__":
