@@ -48,10 +48,20 @@ def main() -> None:
         ap.error(f"--compute-scale {k}: must be > 0 (1 keeps the probed times)")
     base = dataclasses.replace(base, fwd_seconds=base.fwd_seconds * k, recompute_seconds=base.recompute_seconds * k,
                                bwd_seconds=base.bwd_seconds * k, pre_post_seconds=base.pre_post_seconds * k)
-    ms = [int(x) for x in args.ms.split(",")]
-    caps = [saved["cap_bytes_per_s"]] if args.caps is None else [float(c) * 1e6 for c in args.caps.split(",")]
+    def numbers(flag: str, text: str, kind=float) -> list:  # type: ignore[no-untyped-def]
+        try:
+            xs = [kind(x) for x in text.split(",")]
+        except ValueError:
+            ap.error(f"{flag} {text!r}: give comma-separated positive numbers, e.g. 345,380")
+        if not xs or min(xs) <= 0:
+            ap.error(f"{flag} {text!r}: every value must be > 0")
+        return xs
+
+    ms = numbers("--ms", args.ms, int)
+    caps = [saved["cap_bytes_per_s"]] if args.caps is None else [c * 1e6 for c in numbers("--caps", args.caps)]
+    budgets = numbers("--budgets", args.budgets)
     rows = []
-    for cap, mib in ((c, float(b)) for c in caps for b in args.budgets.split(",")):
+    for cap, mib in ((c, b) for c in caps for b in budgets):
         prof = with_budgets(base, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=int(mib * 2**20)))
         prof = dataclasses.replace(prof, ssd_read_bytes_per_s=cap, ssd_write_bytes_per_s=cap)
         curves: dict[str, list[tuple[int, float]]] = {}

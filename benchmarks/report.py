@@ -92,7 +92,8 @@ def run_row(name: str, d: dict) -> str:
     m = d["model"]
     budget = d.get("cpu_memory_budget_bytes")
     link = d.get("device_link_bytes_per_s")
-    setting = (f"{m['n_layer']}x{m['n_embd']} seq {m['seq']}, {d['machine']['cores']} cores{', ' + d['device'] if d.get('device') else ''}; "
+    cpu = d["machine"].get("cpu", "?").replace("(R)", "")
+    setting = (f"{m['n_layer']}x{m['n_embd']} seq {m['seq']}, {d['machine']['cores']} cores {cpu}{', ' + d['device'] if d.get('device') else ''}; "
                f"{budget / 2**20:.0f} MiB, {d['cap_bytes_per_s'] / 1e6:.0f} MB/s" if budget else "-")
     if link:
         setting += f", link {link / 1e6:.0f} MB/s"
@@ -109,9 +110,9 @@ def run_row(name: str, d: dict) -> str:
 
 def runs_table() -> None:
     """Every throughput.py run whose JSON is kept (results/ and results/logs/), one row each."""
-    files = sorted(R.glob("throughput*.json")) + sorted((R / "logs").glob("throughput*.json"))
+    files = [*R.glob("throughput*.json"), *(R / "logs").glob("throughput*.json")]
     print("\n### throughput runs on record\n")
-    print("| run | setting (model, cores, device; budget, SSD cap) | max M | v/h saturated | v/h, M <= 16 | M to 90 % v vs h | same, M <= 16 "
+    print("| run | setting (model, cores, CPU, device; budget, SSD cap) | max M | v/h saturated | v/h, M <= 16 | M to 90 % v vs h | same, M <= 16 "
           "| v / min(roofs): lowest (M), points >= 0.9 | same, pairs pooled | same, back-to-back pairs | v/h uncapped |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for f in sorted(files, key=lambda f: f.stem):

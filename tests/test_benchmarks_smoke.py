@@ -167,7 +167,7 @@ def test_report_runs_has_one_row_per_run(capsys):
     report = importlib.import_module("report")
     d = {
         "model": {"n_layer": 8, "n_embd": 512, "seq": 32},
-        "machine": {"cores": 2},
+        "machine": {"cores": 2, "cpu": "Intel(R) Xeon(R) Processor"},
         "cpu_memory_budget_bytes": 330 * 2**20,
         "cap_bytes_per_s": 650e6,
         "Ms": [1, 8, 16],
@@ -179,7 +179,7 @@ def test_report_runs_has_one_row_per_run(capsys):
         }},
     }
     row = report.run_row("b9", d)
-    assert row.startswith("| b9 | 8x512 seq 32, 2 cores; 330 MiB, 650 MB/s | 16 | 2.50 | 2.40 | 8 vs 16 | 8 vs 16 |")
+    assert row.startswith("| b9 | 8x512 seq 32, 2 cores Intel Xeon Processor; 330 MiB, 650 MB/s | 16 | 2.50 | 2.40 | 8 vs 16 | 8 vs 16 |")
     # the lowest point and how many of the sweep's points reach 0.9 of the roofline
     assert "| 0.85 (M=8), 2/3 |" in row
     report.runs_table()
