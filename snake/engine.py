@@ -132,7 +132,7 @@ class Engine:
         speed: all in CPU memory, M = 4, PyTorch + checkpointing / snake 0.90 with it against
         0.81 (4 pairs, every pair better; M = 16: 1.05 / 0.99). Where a step's output goes to
         the SSD, its latency matters more than its cores: waiting behind a compute job there
-        measured 2-3 % slower at the I/O-bound point (BENCHMARKS.md section 7)."""
+        measured 2-3 % slower at the I/O-bound point (BENCHMARKS.md section 9)."""
         p = self.placement
         return self.optimizer_on_compute and self.device.type == "cpu" and p.opt >= 1.0 and p.param >= 1.0
 

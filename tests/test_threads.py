@@ -113,25 +113,22 @@ async def test_snake_threads_carry_their_names_in_the_os(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_cpu_device_runs_adamw_on_the_compute_thread_when_nothing_goes_to_ssd(tmp_path):
+async def test_cpu_device_runs_adamw_on_the_compute_thread_when_nothing_goes_to_ssd(tmp_path, monkeypatch):
     """All in CPU memory on a CPU device: AdamW queues on the compute thread (between jobs, on
     the kernels' cores) instead of taking a core from them; with anything the step writes on
     the SSD it keeps its own threads (the placement=0.5 tests above)."""
+    import snake.actors.optimizer as opt_actor
+
     seen: list[str] = []
+    real = opt_actor.step_unit
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        seen.append(_own_os_name())
+        return real(*a, **k)
+
+    monkeypatch.setattr(opt_actor, "step_unit", spy)
     cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement.all_cpu(), alpha=0.0, device="cpu")
     async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(3, 4), config=cfg) as trainer:
-        import snake.actors.optimizer as opt_actor
-
-        real = opt_actor.step_unit
-
-        def spy(*a, **k):  # type: ignore[no-untyped-def]
-            seen.append(_own_os_name())
-            return real(*a, **k)
-
-        opt_actor.step_unit = spy  # type: ignore[assignment]
-        try:
-            await trainer.run(2)
-        finally:
-            opt_actor.step_unit = real  # type: ignore[assignment]
+        await trainer.run(2)
         assert trainer.engine.executors["optimizer"] is trainer.engine.executors["compute"]
     assert seen and set(seen) == {"snake-compute_0"}
