@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8,16,32")
     ap.add_argument("--source", default="throughput", help="throughput.py results whose capped profile to use (results/NAME.json)")
     ap.add_argument("--caps", default=None, help="SSD caps in MB/s to predict (default: the source's own cap)")
+    ap.add_argument("--links", default=None,
+                    help="host<->device link caps in MB/s per direction to predict (SnakeConfig.device_link_bytes_per_s, "
+                         "throughput.py --link-mb); default: the source's own (none unless it ran with --link-mb)")
     ap.add_argument("--compute-scale", type=float, default=1.0,
                     help="multiply the profile's block and pre/post times (e.g. measured / probed compute)")
     ap.add_argument("--name", default="budget_tradeoff", help="results file (benchmarks/results/NAME.json)")
@@ -60,9 +63,12 @@ def main() -> None:
     ms = numbers("--ms", args.ms, int)
     caps = [saved["cap_bytes_per_s"]] if args.caps is None else [c * 1e6 for c in numbers("--caps", args.caps)]
     budgets = numbers("--budgets", args.budgets)
+    links: list[float | None] = ([saved.get("device_link_bytes_per_s")] if args.links is None
+                                 else [x * 1e6 for x in numbers("--links", args.links)])
     rows = []
-    for cap, mib in ((c, b) for c in caps for b in budgets):
-        prof = with_budgets(base, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=int(mib * 2**20)))
+    for cap, mib, link in ((c, b, x) for c in caps for b in budgets for x in links):
+        prof = with_budgets(base, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=int(mib * 2**20),
+                                              device_link_bytes_per_s=link))
         prof = dataclasses.replace(prof, ssd_read_bytes_per_s=cap, ssd_write_bytes_per_s=cap)
         curves: dict[str, list[tuple[int, float]]] = {}
         for sched in ("vertical", "horizontal"):
@@ -73,15 +79,15 @@ def main() -> None:
             curves[sched] = pts
         v, h = curves["vertical"], curves["horizontal"]
         row = {
-            "budget_mib": mib, "cap_bytes_per_s": cap, "vertical": v, "horizontal": h,
+            "budget_mib": mib, "cap_bytes_per_s": cap, "link_bytes_per_s": link, "vertical": v, "horizontal": h,
             "saturated_vertical_over_horizontal": max(t for _, t in v) / max(t for _, t in h),
             "M_to_90pct_vertical": first_at(v, 0.9), "M_to_90pct_horizontal": first_at(h, 0.9),
         }
         rows.append(row)
-        print(f"{cap / 1e6:5.0f} MB/s {mib:5.0f} MiB  vertical {[round(t) for _, t in v]}  horizontal {[round(t) for _, t in h]}  "
+        print(f"{cap / 1e6:5.0f} MB/s {mib:5.0f} MiB link {'-' if link is None else round(link / 1e6)}  vertical {[round(t) for _, t in v]}  horizontal {[round(t) for _, t in h]}  "
               f"saturated v/h {row['saturated_vertical_over_horizontal']:.2f}  M to 90 %: "
               f"v {row['M_to_90pct_vertical']} h {row['M_to_90pct_horizontal']}", flush=True)
-    print(save(args.name, {"source": args.source, "compute_scale": k, "Ms": ms, "caps_bytes_per_s": caps, "rows": rows}))
+    print(save(args.name, {"source": args.source, "compute_scale": k, "Ms": ms, "caps_bytes_per_s": caps, "links_bytes_per_s": links, "rows": rows}))
 
 
 if __name__ == "__main__":

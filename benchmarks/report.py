@@ -2,6 +2,7 @@
 
     python benchmarks/report.py          # every table
     python benchmarks/report.py runs     # one row per throughput.py run on record (section 1)
+    python benchmarks/report.py throughput_link_r13a   # the tables of one throughput.py run (results/NAME.json)
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ def fmt(x, d=1):
     return "-" if x is None else f"{x:.{d}f}"
 
 
-def throughput() -> None:
-    d = load("throughput")
+def throughput(name: str = "throughput") -> None:
+    d = load(name)
     if not d:
         return
-    print("### throughput\n")
+    print(f"### {name}\n")
     runs, roof = d["runs"], d["rooflines"]
     if "cpu_memory_budget_bytes" in d:
         print(f"CPU memory budget (both schedules): {d['cpu_memory_budget_bytes'] / 2**20:.0f} MiB")
@@ -69,11 +70,14 @@ def throughput() -> None:
     pooled = d["summary"].get("capped", {}).get("vertical_vs_roofline_pooled")
     if pooled:
         print(f"\ncapped: vertical / min(roofs), {pooled[0]['rounds']} back-to-back pairs per M, timed steps pooled\n")
-        print("| M | vertical tok/s | compute roof (torch+ckpt fwd/bwd) | I/O roof | vertical / min(roofs) | per pair |")
-        print("|---|---|---|---|---|---|")
+        link = pooled[0].get("link_roofline") is not None  # an emulated host<->device link: its roof too
+        print(f"| M | vertical tok/s | compute roof (torch+ckpt fwd/bwd) | SSD roof |{' link roof |' if link else ''} "
+              "vertical / min(roofs) | per pair |")
+        print("|---|---|---|---|---|---|" + ("---|" if link else ""))
         for x in pooled:
             print(f"| {x['M']} | {x['vertical']:.0f} | {x['compute_roofline_torch_ckpt']:.0f} | {x['io_roofline']:.0f} | "
-                  f"{x['ratio']:.2f} | {' / '.join(f'{y:.2f}' for y in x['ratio_per_round'])} |")
+                  + (f"{x['link_roofline']:.0f} | " if link else "")
+                  + f"{x['ratio']:.2f} | {' / '.join(f'{y:.2f}' for y in x['ratio_per_round'])} |")
     print("\nsummary:", json.dumps({k: v for k, v in d["summary"].items()}, indent=1))
 
 
@@ -188,8 +192,14 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["runs"]:
         runs_table()
         sys.exit(0)
+    if len(sys.argv) == 2 and sys.argv[1].startswith("throughput"):
+        if not (R / f"{sys.argv[1]}.json").exists():
+            sys.exit(f"report.py {sys.argv[1]}: no results/{sys.argv[1]}.json; name a throughput.py run "
+                     "(`python benchmarks/report.py runs` lists them)")
+        throughput(sys.argv[1])
+        sys.exit(0)
     if sys.argv[1:]:
-        sys.exit(f"usage: python benchmarks/report.py [runs]  (got {' '.join(sys.argv[1:])!r})")
+        sys.exit(f"usage: python benchmarks/report.py [runs | throughput_NAME]  (got {' '.join(sys.argv[1:])!r})")
     throughput()
     delay()
     storage()

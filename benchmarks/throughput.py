@@ -46,6 +46,7 @@ from common import (  # type: ignore[import-not-found]
 
 from planner import Infeasible, measure_profile, search
 from planner.integrate import with_budgets
+from planner.model import vertical_phases
 from planner.solve import host_budget
 from snake import Placement, SnakeConfig
 from snake.memory import OPT_BYTES_PER_ELEM, host_memory
@@ -107,6 +108,20 @@ def recompute_min_io(result: dict) -> None:
                                          for m in result["Ms"]]
 
 
+def vertical_link_bytes(profile_json: dict, m: int) -> tuple[float, float]:
+    """Host->device and device->host bytes per iteration that a layer-by-layer schedule
+    cannot avoid, whatever the placement: each layer's parameters in for the forward and
+    again for the backward, its checkpoints, and its fp32 gradient out once (the planner's
+    vertical traffic at alpha 0, `planner.model.vertical_phases`)."""
+    from planner.profile import MachineProfile
+
+    prof = MachineProfile.from_json(profile_json)
+    fwd, bwd = vertical_phases(prof, m, 0.0)
+    n = prof.shape.n_layers
+    return (n * (fwd.traffic.h2d_bytes + bwd.traffic.h2d_bytes),
+            n * (fwd.traffic.d2h_bytes + bwd.traffic.d2h_bytes))
+
+
 def rooflines(result: dict, io_bytes_at) -> dict[str, list[dict]]:
     """Per pass, per M: compute roofline (PyTorch+ckpt fwd+bwd; profile for reference) and the
     I/O roofline of io_bytes_at(label, i) SSD bytes per iteration."""
@@ -126,9 +141,15 @@ def rooflines(result: dict, io_bytes_at) -> dict[str, list[dict]]:
             tok = runs["torch+ckpt"][i]["tokens_per_iteration"]
             emp = tok / runs["torch+ckpt"][i]["fwd_bwd_seconds"]["median"]
             io = tok / io_s if io_s > 0 else float("inf")
-            rows.append({"M": m, "compute_roofline_torch_ckpt": emp,
-                         "compute_roofline_profile": sh["tokens_per_micro"] / per_micro,
-                         "io_roofline": io, "io_bytes": io_bytes, "roofline": min(emp, io)})
+            row = {"M": m, "compute_roofline_torch_ckpt": emp,
+                   "compute_roofline_profile": sh["tokens_per_micro"] / per_micro,
+                   "io_roofline": io, "io_bytes": io_bytes, "roofline": min(emp, io)}
+            if link := result.get("device_link_bytes_per_s"):
+                h2d, d2h = vertical_link_bytes(p, m)
+                row["link_roofline"] = tok / (max(h2d, d2h) / link)
+                row["link_bytes"] = {"h2d": h2d, "d2h": d2h}
+                row["roofline"] = min(row["roofline"], row["link_roofline"])
+            rows.append(row)
         roof[label] = rows
     return roof
 
@@ -152,12 +173,13 @@ def pooled_roofline(result: dict, roof_capped: list[dict], sweep: bool = True) -
         if not t_steps:  # a result from before per-step times were kept
             t_steps = [r["fwd_bwd_seconds"]["median"] for r in ts]
         compute = tok / statistics.median(t_steps)
-        per_round = [v["tokens_per_s"] / min(tok / t["fwd_bwd_seconds"]["median"], rr["io_roofline"])
+        io = min(rr["io_roofline"], rr.get("link_roofline", float("inf")))  # the SSD and the link, if capped
+        per_round = [v["tokens_per_s"] / min(tok / t["fwd_bwd_seconds"]["median"], io)
                      for v, t in zip(vs, ts, strict=True)]
         vertical = tok / statistics.median(v_steps)
         out.append({"M": rr["M"], "rounds": len(vs), "vertical": vertical, "compute_roofline_torch_ckpt": compute,
-                    "io_roofline": rr["io_roofline"], "roofline": min(compute, rr["io_roofline"]),
-                    "ratio": vertical / min(compute, rr["io_roofline"]), "ratio_per_round": per_round})
+                    "io_roofline": rr["io_roofline"], "link_roofline": rr.get("link_roofline"),
+                    "roofline": min(compute, io), "ratio": vertical / min(compute, io), "ratio_per_round": per_round})
     return out
 
 
@@ -431,7 +453,8 @@ def finish(name: str, result: dict) -> None:
         ):
             if key in runs:
                 ax.plot([r["micro_batches"] for r in runs[key]], [r["tokens_per_s"] for r in runs[key]], style, label=lab)
-        ax.plot(ms, [r["roofline"] for r in roof[label]], "k--", label="roofline min(compute, opt I/O)")
+        ax.plot(ms, [r["roofline"] for r in roof[label]], "k--",
+                label="roofline min(compute, opt I/O" + (", link)" if result.get("device_link_bytes_per_s") else ")"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches per iteration")
         ax.set_ylabel("tokens/s")

@@ -58,6 +58,23 @@ def test_pooled_roofline_pools_all_rounds():
     # I/O-bound: the I/O roofline caps the bound
     [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 50.0}])
     assert abs(row["ratio"] - (100 / 1.1) / 50.0) < 1e-9
+    # an emulated host<->device link: its roof caps the bound when it is the lowest
+    [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 1000.0, "link_roofline": 40.0}])
+    assert abs(row["ratio"] - (100 / 1.1) / 40.0) < 1e-9 and row["link_roofline"] == 40.0
+
+
+def test_vertical_link_bytes_count_each_layer_twice_in_and_its_gradient_out():
+    throughput = importlib.import_module("throughput")
+    shape = {"n_layers": 8, "layer_params": 1000, "ckpt_elems": 10, "resident_params": 0, "tokens_per_micro": 32,
+             "dtype_bytes": 4}
+    prof = {"device": "cpu", "shape": shape, "fwd_seconds": 1e-3, "recompute_seconds": 1e-3, "bwd_seconds": 2e-3,
+            "pre_post_seconds": 1e-3, "adam_elems_per_s": 1e9, "h2d_bytes_per_s": 1e9, "d2h_bytes_per_s": 1e9,
+            "ssd_read_bytes_per_s": 1e9, "ssd_write_bytes_per_s": 1e9, "cpu_memory_bytes": 2**30, "device_memory_bytes": 2**30}
+    h2d, d2h = throughput.vertical_link_bytes(prof, 4)
+    # parameters in for the forward and the backward; checkpoints in (n - 1 + 2n - 1)
+    assert h2d == 8 * (2 * 1000 * 4 + (3 * 4 - 2) * 10 * 4)
+    # fp32 gradient out once; checkpoints and inter-layer gradients out (n + n - 1)
+    assert d2h == 8 * (1000 * 4 + (2 * 4 - 1) * 10 * 4)
 
 
 def _openmp_workers() -> set[int]:
