@@ -8,6 +8,15 @@ checkpointing, and the roofline min(compute, I/O).
     python benchmarks/throughput.py --fixed    # + the old fixed-placement comparison (~+3.5 min)
     python benchmarks/throughput.py --fixed-only  # only that pair, added to the saved JSON
 
+The paper's regime, with an emulated host<->device link (BENCHMARKS.md section 10; ~11 min):
+
+    python benchmarks/throughput.py --capped-only --budget-mib 420 --cap-mb 150 --link-mb 600 \
+        --micro-batch-size 2 --ms 1,2,4,8,16,32,64 --name throughput_link
+
+There horizontal moves every layer's parameters over the link twice per micro-batch and
+vertical twice per iteration; the roofline adds the link (vertical's unavoidable bytes over
+the cap) to compute and SSD.
+
 Model: GPT, 8 layers, width 512, seq 32, micro-batch 1 sequence: a block's parameters
 (12.6 MB fp32) are ~200x its checkpoint (64 KiB), so parameter traffic dominates as in the
 paper. 8 layers, not 4: the runtime stages SSD-resident parameters through 5 layer-sized
