@@ -8,10 +8,11 @@ checkpointing, and the roofline min(compute, I/O).
     python benchmarks/throughput.py --fixed    # + the old fixed-placement comparison (~+3.5 min)
     python benchmarks/throughput.py --fixed-only  # only that pair, added to the saved JSON
 
-The paper's regime, with an emulated host<->device link (BENCHMARKS.md section 10; ~11 min):
+The paper's regime, with an emulated host<->device link (BENCHMARKS.md section 10; ~20 min,
+~11 without M = 128, where horizontal has not yet flattened):
 
     python benchmarks/throughput.py --capped-only --budget-mib 420 --cap-mb 150 --link-mb 600 \
-        --micro-batch-size 2 --ms 1,2,4,8,16,32,64 --name throughput_link
+        --micro-batch-size 2 --ms 1,2,4,8,16,32,64,128 --name throughput_link
 
 There horizontal moves every layer's parameters over the link twice per micro-batch and
 vertical twice per iteration; the roofline adds the link (vertical's unavoidable bytes over
