@@ -178,12 +178,13 @@ class Engine:
 
     def inline_store(self, kind: str, layer: int, micro_batch: int) -> torch.Tensor | None:
         """Where the compute thread writes an activation itself: the flat CPU memory of its
-        store unit, on a CPU device, when the unit lives wholly in CPU memory and transfers
-        are not metered (no `device_link_bytes_per_s`). There the device-to-host "copy" is a
-        memcpy of a few KiB; made on the compute thread right after the kernel, it saves a
-        hop through the copy thread and two trips through the event loop per micro-batch,
-        which on a CPU device take cores from the kernels. None otherwise (d2h copies it)."""
-        if not self.inline_stores or self.device.type != "cpu" or self.links:
+        store unit, on a CPU device, when the unit lives wholly in CPU memory. There the
+        device-to-host "copy" is a memcpy of a few KiB; made on the compute thread right after
+        the kernel, it saves a hop through the copy thread and two trips through the event
+        loop per micro-batch, which on a CPU device take cores from the kernels. With a
+        metered link (`device_link_bytes_per_s`) d2h still charges the link's time before the
+        unit counts as stored. None otherwise (d2h copies it)."""
+        if not self.inline_stores or self.device.type != "cpu":
             return None
         store = self.stores[kind]
         u = store.unit(self.unit_key(kind, layer, micro_batch))

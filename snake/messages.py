@@ -56,13 +56,15 @@ class ActivationOnDevice:
 
 @dataclass(frozen=True, slots=True)
 class ActivationProduced:
-    """Compute -> d2h: store this checkpoint / inter-layer gradient in the host tiers."""
+    """Compute -> d2h: store this checkpoint / inter-layer gradient in the host tiers.
+    `tensor` None: the compute thread already wrote it into CPU memory (Engine.inline_store)
+    and a link is metered: d2h charges the link and marks it stored, in order with its copies."""
 
     kind: str
     t: int
     layer: int
     micro_batch: int
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)

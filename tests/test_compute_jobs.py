@@ -147,9 +147,9 @@ async def test_compute_spans_are_device_time_when_jobs_are_queued(tmp_path, monk
 
     dev = _LaggingDevice()
     monkeypatch.setattr(snake.engine, "stream_marks", lambda device: dev)
-    # a link cap (never reached) so that checkpoints go through the d2h actor, not inline
-    cfg = SnakeConfig(device="cpu", micro_batches=M, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0,
-                      device_link_bytes_per_s=1e12)
+    # checkpoints go through the d2h actor, as on a GPU, not inline
+    monkeypatch.setattr(snake.engine.Engine, "inline_stores", False)
+    cfg = SnakeConfig(device="cpu", micro_batches=M, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0)
     async with SnakeTrainer(tiny_gpt(n_layer=N), data=batches(2, 2 * M), config=cfg) as trainer:
         await asyncio.wait_for(trainer.run(2), timeout=120)
         spans = [s for s in trainer.trace.spans if s.actor == "compute" and s.name.split()[0] in ("fwd", "bwd")]

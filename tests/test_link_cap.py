@@ -60,3 +60,33 @@ def test_planner_counts_a_capped_link_as_link_time_not_cpu_work(device):
         assert cap["h2d"] == pytest.approx(10 * free["h2d"])
         assert cap["d2h"] == pytest.approx(free["d2h"] * base.d2h_bytes_per_s / capped.device_link_bytes_per_s)
         assert cap.get("host") == free.get("host")  # the memcpy's CPU work is what was measured
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_every_byte_counted_between_host_and_device_is_charged_to_the_link(tmp_path, schedule):
+    """Also the activations a CPU device's compute thread writes into CPU memory itself
+    (Engine.inline_store, no d2h copy): d2h charges the link for them before they count as
+    stored, as it does for the bytes it copies."""
+    cfg = SnakeConfig(micro_batches=3, offload_dir=str(tmp_path), placement=Placement.all_cpu(), alpha=0.0,
+                      device="cpu", schedule=schedule, device_link_bytes_per_s=1e12)
+    async with SnakeTrainer(tiny_gpt(n_layer=3), data=batches(2, 6), config=cfg) as trainer:
+        await trainer.run(1)
+        engine = trainer.engine
+        assert engine is not None and engine.inline_store("ckpt", 1, 0) is not None
+        charged = {"cpu->gpu": 0, "gpu->cpu": 0}
+        wait = engine.link_wait
+
+        async def counting(link: str, nbytes: int) -> None:
+            charged[link] += nbytes
+            await wait(link, nbytes)
+
+        engine.link_wait = counting  # type: ignore[method-assign]
+        await trainer.run(1)
+        traffic = dict(engine.traffic.last())
+        d2h_copies = [s for s in trainer.trace.spans if s.actor == "d2h" and s.name.startswith(("ckpt", "act_grad"))]
+    assert not d2h_copies
+    counted = {f"{a}->{b}": sum(n for (src, dst, _), n in traffic.items() if (src, dst) == (a, b))
+               for a, b in (("cpu", "gpu"), ("gpu", "cpu"))}
+    assert counted["gpu->cpu"] > 0 and any(k == "ckpt" for (_, dst, k) in traffic if dst == "cpu")
+    assert charged == counted

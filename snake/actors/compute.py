@@ -19,7 +19,8 @@ kernels share the cores and every hand-over between them costs the kernels, a jo
 to CPU_GROUP consecutive micro-batches whose inputs are already in (never waiting for more),
 each still traced as its own span. On a CPU device a job also writes its outputs
 whose store units live wholly in CPU memory straight into them (`Engine.inline_store`), and
-the actor marks them written itself: no d2h copy for those. On CUDA the compute thread only
+the actor marks them written itself: no d2h copy for those (with a metered link, d2h charges
+the link's time first, in order with its copies, and marks them). On CUDA the compute thread only
 queues a job's kernels on the device: the job is done when the device reaches its end mark
 (`Engine.marks`, waited for on the sync thread), so the thread queues the next job while the
 device still runs this one, and each micro-batch's trace span is its time on the device.
@@ -453,10 +454,10 @@ class Compute(Actor):
     async def _stored(self, kind: str, t: int, layer: int, m: int, tensor: torch.Tensor, inline: bool) -> None:
         """Hand an output to the host tiers: d2h copies it there, or the job already wrote
         it into CPU memory (inline) and only the bookkeeping is left."""
-        if not inline:
-            await self.d2h.put(ActivationProduced(kind, t, layer, m, tensor))
-            return
         e = self.e
+        if not inline or e.links:  # a metered link: d2h charges it, then marks the unit
+            await self.d2h.put(ActivationProduced(kind, t, layer, m, None if inline else tensor))
+            return
         e.traffic.add(t, "gpu", "cpu", kind, e.ckpt_elems * e.stores[kind].esize)
         await e.ledger.mark((kind, layer, m), t + 1)
 

@@ -191,6 +191,11 @@ class DeviceToHost(Actor):
         self.at(msg.t, msg.layer, msg.micro_batch)
         store = e.stores[msg.kind]
         u = store.unit(e.unit_key(msg.kind, msg.layer, msg.micro_batch))
+        if msg.tensor is None:  # already in CPU memory (Engine.inline_store): the link's time only
+            await e.link_wait("gpu->cpu", u.n * store.esize)
+            e.traffic.add(msg.t, "gpu", "cpu", msg.kind, u.n * store.esize)
+            await e.ledger.mark((msg.kind, msg.layer, msg.micro_batch), msg.t + 1)
+            return
         flat = msg.tensor.reshape(-1)
         pool = e.pools["ckpt_out"] if u.tail_n else None
         buf = await pool.acquire() if pool is not None else None
