@@ -4,6 +4,9 @@
     python benchmarks/contention.py --op-cost 5 [--op-cost-m 8]   # part 3 only, ~1.5 min
     python benchmarks/contention.py --slope 1.62 --m 8 --budget-mib 330 --cap-mb 650 --name contention_b
         # part 2 only, at throughput.py's setting B crossing point (~2.5 min)
+    python benchmarks/contention.py --slope 1.62 --ab inline --m 16 --micro-batch-size 2 --budget-mib 420 \
+        --cap-mb 150 --link-mb 600 --name contention_link_inline
+        # part 2 only, in the link setting of BENCHMARKS.md section 10, inline stores on / off
 
 On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
 the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
@@ -141,13 +144,15 @@ def stat_delta(a: list[int], b: list[int], wall: float) -> dict[str, float]:
 
 
 async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: float | None,
-                         budget: int | None, steps: int, off: str | None = None) -> dict:
+                         budget: int | None, steps: int, off: str | None = None, *, mbs: int = 1,
+                         link: float | None = None) -> dict:
     if off is not None:
         AB[off][1]()
-    model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m, 32, steps + 1)))
+    model, data = on_worker(lambda: (make_model(cfg), make_batches(cfg, m * mbs, 32, steps + 1)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(micro_batches=m, offload_dir=d, placement=placement, alpha=alpha, schedule="vertical",
-                           device="cpu", ssd_bandwidth_bytes_per_s=cap, cpu_memory_bytes=budget)
+                           device="cpu", ssd_bandwidth_bytes_per_s=cap, cpu_memory_bytes=budget,
+                           device_link_bytes_per_s=link)
         async with SnakeTrainer(model, data=data, config=conf) as t:
             await t.run(1)  # warm-up
             a, w0, s0, st0 = t.trace.threads(), time.perf_counter(), t.trace.now(), proc_stat()
@@ -167,13 +172,16 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
 
 
 def part2(pairs: int, slope: float, ab: str | None, m: int = 16, budget_mib: float = BUDGET_MIB,
-          cap: float = CAP) -> dict:
+          cap: float = CAP, mbs: int = 1, link: float | None = None) -> dict:
+    """`mbs` sequences per micro-batch; `link`: an emulated host<->device link (bytes/s per
+    direction, both snake settings; throughput.py --link-mb)."""
     cfg = gpt_config(8, 512, 32)
     budget = int(budget_mib * 2**20)
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    prof = on_worker(measure_profile, cfg, micro_batch_size=1, seq_len=32, device="cpu", offload_dir=SCRATCH,
+    prof = on_worker(measure_profile, cfg, micro_batch_size=mbs, seq_len=32, device="cpu", offload_dir=SCRATCH,
                      ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=192 << 20)
-    plan = search(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)),
+    plan = search(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget,
+                                                 device_link_bytes_per_s=link)),
                   schedule="vertical", n_micro=m)
     if isinstance(plan, Infeasible):
         raise SystemExit(plan.message)
@@ -189,17 +197,18 @@ def part2(pairs: int, slope: float, ab: str | None, m: int = 16, budget_mib: flo
         for key in order:
             if key == "torch_ckpt":
                 st0, w0 = proc_stat(), time.perf_counter()
-                r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=1, seq=32, steps=4,
+                r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=mbs, seq=32, steps=4,
                                                  activation_checkpointing=True))
                 rows[key].append({"seconds": r["iteration_seconds"]["median"],
                                   "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"],
                                   "machine_cores": stat_delta(st0, proc_stat(), time.perf_counter() - w0)})
             else:
                 placement, alpha, cap, bud, off = settings[key]
-                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, off)))
+                rows[key].append(asyncio.run(snake_measured(cfg, m, placement, alpha, cap, bud, 3, off,
+                                                            mbs=mbs, link=link)))
         print("part 2 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
-    out: dict = {"model": f"GPT 8 x 512, {m} micro-batches of 1 x 32 tokens", "budget_mib": budget_mib,
-                 "cap_bytes_per_s": cap, "plan": {
+    out: dict = {"model": f"GPT 8 x 512, {m} micro-batches of {mbs} x 32 tokens", "budget_mib": budget_mib,
+                 "cap_bytes_per_s": cap, "device_link_bytes_per_s": link, "plan": {
         "placement": {k: getattr(plan.placement, k) for k in ("param", "ckpt", "opt")}, "alpha": plan.alpha},
         "rows": rows, "summary": {}}
     for key in settings:
@@ -281,10 +290,15 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=16, help="micro-batches for part 2")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="part 2's CPU memory budget")
     ap.add_argument("--cap-mb", type=float, default=CAP / 1e6, help="part 2's SSD cap (MB/s)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="part 2's sequences per micro-batch")
+    ap.add_argument("--link-mb", type=float, default=None,
+                    help="part 2: emulate a host<->device link of this many MB/s per direction (throughput.py --link-mb)")
     ap.add_argument("--name", default="contention", help="results file (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     if args.m < 1 or not args.budget_mib > 0 or not args.cap_mb > 0:
         raise SystemExit("--m must be >= 1, --budget-mib and --cap-mb > 0")
+    if args.micro_batch_size < 1 or (args.link_mb is not None and not args.link_mb > 0):
+        raise SystemExit("--micro-batch-size must be >= 1 and --link-mb > 0 (MB/s)")
     t0 = time.perf_counter()
     if args.op_cost:
         p3 = op_cost(args.op_cost, args.op_cost_m)
@@ -304,7 +318,8 @@ def main() -> None:
         print(f"{k:10s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f}  side thread "
               f"{v['side_share_measured']:.3f} of a core", flush=True)
     print(f"slowdown per share of one core taken (median): {p1['slope_median']:.2f}", flush=True)
-    p2 = part2(args.pairs, p1["slope_median"], args.ab, args.m, args.budget_mib, args.cap_mb * 1e6)
+    p2 = part2(args.pairs, p1["slope_median"], args.ab, args.m, args.budget_mib, args.cap_mb * 1e6,
+               args.micro_batch_size, None if args.link_mb is None else args.link_mb * 1e6)
     for key, v in p2["summary"].items():
         print(f"{key}: machine cores by /proc/stat field " + ", ".join(
             f"{f} {c:.3f}" for f, c in v["machine_cores"].items() if f != "nice"))
