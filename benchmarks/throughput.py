@@ -8,7 +8,7 @@ checkpointing, and the roofline min(compute, I/O).
     python benchmarks/throughput.py --fixed    # + the old fixed-placement comparison (~+3.5 min)
     python benchmarks/throughput.py --fixed-only  # only that pair, added to the saved JSON
 
-The paper's regime, with an emulated host<->device link (BENCHMARKS.md section 10; ~20 min,
+The paper's regime, with an emulated host<->device link (BENCHMARKS.md sections 10-11; ~20-30 min,
 ~11 without M = 128, where horizontal has not yet flattened):
 
     python benchmarks/throughput.py --capped-only --budget-mib 420 --cap-mb 150 --link-mb 600 \
