@@ -59,6 +59,8 @@ AB = {
               lambda: setattr(compute, "CPU_GROUP", GROUP)),
     "optimizer": ("_optimizer_threads", lambda: setattr(Engine, "optimizer_on_compute", False),
                   lambda: setattr(Engine, "optimizer_on_compute", True)),
+    "grads": ("_grad_copies", lambda: setattr(Engine, "grads_in_slots", False),
+              lambda: setattr(Engine, "grads_in_slots", True)),
 }
 GROUP = compute.CPU_GROUP
 
@@ -283,7 +285,8 @@ def main() -> None:
     ap.add_argument("--ab", choices=sorted(AB), default=None,
                     help="part 2 also with a CPU-device shortcut off, in the same pairs: inline (the compute "
                          "thread stores activations itself), group (several micro-batches per compute job) or "
-                         "optimizer (AdamW on the compute thread)")
+                         "optimizer (AdamW on the compute thread) or grads (vertical's optimizer steps from the gradient "
+                         "slot instead of a copy)")
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
     ap.add_argument("--op-cost-m", type=int, default=16, metavar="M", help="micro-batches for part 3")

@@ -36,6 +36,9 @@ class Engine:
     # AdamW on the compute thread where that is faster (optimizer_runs_on_compute; the same
     # benchmark turns it off)
     optimizer_on_compute = True
+    # vertical on a CPU device: the optimizer steps from the gradient slot itself
+    # (slot_grads; the same benchmark turns it off)
+    grads_in_slots = True
 
     def __init__(
         self,
@@ -218,10 +221,21 @@ class Engine:
             "device_params",
             [torch.empty(self.P, dtype=self.dtype, device=self.device) for _ in range(sizes.device_param_slots)],
         )
+        # vertical on a CPU device: the host gradient buffers' memory serves as more slots
+        n_grad = 2 + (sizes.grad_buffers if self.slot_grads() else 0)
         self.grad_slots: BufferPool[torch.Tensor] = BufferPool(
-            "device_grads", [torch.zeros(self.P, dtype=torch.float32, device=self.device) for _ in range(2)]
+            "device_grads", [torch.zeros(self.P, dtype=torch.float32, device=self.device) for _ in range(n_grad)]
         )
         self._all_pools = [p for p in self.pools.values() if p is not None] + [self.param_slots, self.grad_slots]
+
+    def slot_grads(self) -> bool:
+        """Vertical on a CPU device: a layer's accumulated gradient goes to its optimizer
+        worker in the gradient slot it was accumulated in, and the slot comes back when the
+        step has read it. The slot is CPU memory there, so d2h's copy into a host buffer
+        was a 4-bytes-per-parameter memcpy per layer and iteration on the cores the kernels
+        run on (BENCHMARKS.md section 12). With a metered link d2h still charges the link's
+        time before the optimizer gets it."""
+        return self.grads_in_slots and self.vertical and self.device.type == "cpu"
 
     def ckpt_ssd_per_layer(self) -> int:
         """The most checkpoint units of one layer that live on SSD (whole units, so at most
@@ -231,17 +245,19 @@ class Engine:
 
     def _make_grads(self) -> None:
         """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers
-        for the now-step, plus room per layer for the delayed (alpha) share until the next
+        for the now-step (on a CPU device the gradient slots themselves, `slot_grads`), plus room per layer for the delayed (alpha) share until the next
         iteration's forward (`_delayed_room`). Horizontal: an fp32 accumulator per layer
         (ZeRO-Infinity style; the delayed share stays in it until it is stepped). On CUDA,
         horizontal also has one pinned layer buffer (`grad_staging`) that each micro-batch's
         gradient crosses on the copy stream before it is added to the accumulator."""
         n_del = self.part_sizes[DELAYED]
         if self.vertical:
-            self.grad_host: BufferPool[torch.Tensor] | None = BufferPool(
-                "host_grads", [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(PoolSizes().grad_buffers)]
-            )
-            self._all_pools.append(self.grad_host)
+            self.grad_host: BufferPool[torch.Tensor] | None = None  # the slots serve (`slot_grads`)
+            if not self.slot_grads():
+                self.grad_host = BufferPool("host_grads", [
+                    alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(PoolSizes().grad_buffers)
+                ])
+                self._all_pools.append(self.grad_host)
             self.delayed_grads = [self._delayed_room(layer, n_del) for layer in range(self.N)]
             self.accumulators: list[torch.Tensor] = []
         else:

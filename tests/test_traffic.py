@@ -112,3 +112,33 @@ async def test_cpu_device_writes_cpu_activations_on_the_compute_thread(tmp_path,
     assert len(ckpt_spans) == 2 * d2h_units  # two steps
     # inter-layer gradients always live in CPU memory: d2h never copies them
     assert not grad_spans
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("in_slots", [True, False])
+async def test_cpu_device_optimizer_steps_from_the_gradient_slot(tmp_path, monkeypatch, in_slots):
+    """Vertical on a CPU device: each layer's accumulated gradient reaches its optimizer
+    worker in the gradient slot it was accumulated in (Engine.slot_grads), so d2h makes no
+    copy of it (with `grads_in_slots` off it copies each layer once per step); the bytes
+    counted and the weights are the same either way, with a delayed share that the step
+    scatters out of the slot, and every slot is back in its pool at the end."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+    from snake.engine import Engine
+    from tests.helpers import assert_close_state, reference
+
+    monkeypatch.setattr(Engine, "grads_in_slots", in_slots)
+    model = tiny_gpt(n_layer=N, bias=False)
+    data = batches(2, 2 * M)
+    want, _ = reference(model, data, M)
+    cfg = SnakeConfig(device="cpu", micro_batches=M, offload_dir=tmp_path, alpha=0.3,
+                      placement=Placement(param=1.0, ckpt=1.0, opt=0.5))
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(2), timeout=120)
+        spans = [s for s in trainer.trace.spans if s.actor == "d2h" and s.name.startswith("grads")]
+        traffic = trainer.traffic()
+        got = await trainer.state_dict()
+    assert len(spans) == (0 if in_slots else 2 * N)
+    assert traffic[("gpu", "cpu", "grad")] == N * _layer_bytes(model)
+    assert_close_state(got, want)

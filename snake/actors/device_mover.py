@@ -226,6 +226,15 @@ class DeviceToHost(Actor):
         nbytes = e.P * 4
         label = f"grads L{msg.layer}" + (f" mb{msg.micro_batch}" if msg.micro_batch >= 0 else "")
         dest = self.optimizers[msg.layer % len(self.optimizers)]
+        if e.vertical and e.grad_host is None:  # CPU device: the optimizer steps from the slot
+            try:
+                await e.link_wait("gpu->cpu", nbytes)
+            except BaseException:
+                e.grad_slots.release(msg.buf)
+                raise
+            e.traffic.add(msg.t, "gpu", "cpu", "grad", nbytes)
+            await dest.put(GradsOnHost(msg.t, msg.layer, msg.buf))
+            return
         if e.grad_host is not None:  # vertical: the whole accumulated gradient, once
             host = await e.grad_host.acquire()
             try:

@@ -95,8 +95,8 @@ class OptimizerWorker(Actor):
                     pool.release(buf)
             raise
         finally:
-            if host is not None and e.grad_host is not None:
-                e.grad_host.release(host)
+            if host is not None:  # the host buffer, or on a CPU device the slot itself
+                (e.grad_host if e.grad_host is not None else e.grad_slots).release(host)
         await self._store(op, ou, otail, "opt")
         await self._store(op, pu, ptail, "param")
 
