@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ class Engine:
         ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
         self._preflight(offload_dir, parts_units, ckpt_units)
         self.stores: dict[str, TierStore] = {}
+        # views of store units made once and kept across runs (`inline_store`, h2d's aliases):
+        # a unit's place in its store never moves
+        self.unit_views: dict[tuple[str, str, Hashable], torch.Tensor | None] = {}
         try:
             self.stores["param"] = TierStore("param", self.dtype, parts_units, cpu_share=self.placement.param, **store_kw)
             self.stores["opt"] = TierStore(
@@ -189,9 +193,12 @@ class Engine:
         unit counts as stored. None otherwise (d2h copies it)."""
         if not self.inline_stores or self.device.type != "cpu":
             return None
-        store = self.stores[kind]
-        u = store.unit(self.unit_key(kind, layer, micro_batch))
-        return None if u.tail_n else store.head(u)[0]
+        key = ("inline", kind, self.unit_key(kind, layer, micro_batch))
+        if key not in self.unit_views:
+            store = self.stores[kind]
+            u = store.unit(key[2])
+            self.unit_views[key] = None if u.tail_n else store.head(u)[0]
+        return self.unit_views[key]
 
     @staticmethod
     def unit_key(kind: str, layer: int, micro_batch: int) -> tuple[int, int]:

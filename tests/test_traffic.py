@@ -142,3 +142,37 @@ async def test_cpu_device_optimizer_steps_from_the_gradient_slot(tmp_path, monke
     assert len(spans) == (0 if in_slots else 2 * N)
     assert traffic[("gpu", "cpu", "grad")] == N * _layer_bytes(model)
     assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_cpu_device_makes_each_unit_view_once(tmp_path, monkeypatch):
+    """On a CPU device h2d hands compute views of the stores (parameters, checkpoints and
+    inter-layer gradients in CPU memory) and compute writes activations into views of
+    their units: each is made on first use and kept (Engine.unit_views), so a second run
+    makes none on the event loop, and still trains as PyTorch does."""
+    import asyncio
+
+    import snake.actors.device_mover as dm
+    from snake import SnakeConfig, SnakeTrainer
+    from tests.helpers import assert_close_state, reference
+
+    model = tiny_gpt(n_layer=N, bias=False)
+    data = batches(2, 2 * M)
+    want, _ = reference(model, data, M)
+    made = []
+    real = dm.alias
+    monkeypatch.setattr(dm, "alias", lambda *a: made.append(a) or real(*a))
+    cfg = SnakeConfig(device="cpu", micro_batches=M, offload_dir=tmp_path, alpha=0.0, placement=Placement.all_cpu())
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(1), timeout=120)
+        first = len(made)
+        engine = trainer.engine
+        assert engine is not None
+        views = dict(engine.unit_views)
+        await asyncio.wait_for(trainer.run(1), timeout=120)
+        assert engine.unit_views.keys() == views.keys()
+        assert all(engine.unit_views[k] is v for k, v in views.items())
+        got = await trainer.state_dict()
+    assert first > 0
+    assert len(made) == first
+    assert_close_state(got, want)
