@@ -34,7 +34,7 @@ from snake.trace import Tracer, Traffic
 class Engine:
     # inline_store in use (benchmarks/contention.py turns it off to measure what it saves)
     inline_stores = True
-    # AdamW on the compute thread where that is faster (optimizer_runs_on_compute; the same
+    # AdamW on the compute thread on a CPU device (optimizer_runs_on_compute; the same
     # benchmark turns it off)
     optimizer_on_compute = True
     # vertical on a CPU device: the optimizer steps from the gradient slot itself
@@ -133,15 +133,18 @@ class Engine:
         self.marks = stream_marks(device)
 
     def optimizer_runs_on_compute(self) -> bool:
-        """On a CPU device with parameters and optimizer states all in CPU memory, AdamW runs
-        on the compute thread, between jobs and on every core. On its own thread it took one of
-        the two cores from the kernels' thread team for a whole layer's step, at one thread's
-        speed: all in CPU memory, M = 4, PyTorch + checkpointing / snake 0.90 with it against
-        0.81 (4 pairs, every pair better; M = 16: 1.05 / 0.99). Where a step's output goes to
-        the SSD, its latency matters more than its cores: waiting behind a compute job there
-        measured 2-3 % slower at the I/O-bound point (BENCHMARKS.md section 9)."""
-        p = self.placement
-        return self.optimizer_on_compute and self.device.type == "cpu" and p.opt >= 1.0 and p.param >= 1.0
+        """On a CPU device AdamW runs on the compute thread, between jobs and on every core.
+        On its own thread it took one of the two cores from the kernels' thread team for a
+        whole layer's step, at one thread's speed: all in CPU memory, M = 4, PyTorch +
+        checkpointing / snake 0.90 with it against 0.81 (4 pairs, every pair better; M = 16:
+        1.05 / 0.99; BENCHMARKS.md section 9). And it stalled the kernels at every backward
+        stage's end: the step started there on a third runnable thread while the kernels'
+        OpenMP worker spun, the event loop waited for a core holding the GIL, and the compute
+        thread waited 3-7 ms for the GIL (BENCHMARKS.md section 12). Where a step's output
+        goes to the SSD it waits behind a compute job; section 9 measured that 2-3 % slower at
+        an I/O-bound point, section 12 no slower at the link setting's I/O-bound M = 4 and
+        faster where the SSD meets the compute (M = 8)."""
+        return self.optimizer_on_compute and self.device.type == "cpu"
 
     async def link_wait(self, link: str, nbytes: int) -> None:
         """With `device_link_bytes_per_s`: wait until `nbytes` may cross the host<->device

@@ -39,7 +39,9 @@ async def _on_every_executor(tmp_path, fn):  # type: ignore[no-untyped-def]
 @pytest.mark.asyncio
 async def test_cpu_device_helper_threads_use_one_intraop_thread(tmp_path, two_threads):
     counts = await _on_every_executor(tmp_path, torch.get_num_threads)
-    assert counts == {"compute": two_threads, "copy": 1, "h2d": 1, "io": 1, "optimizer": 1, "data": 1, "sync": 1}
+    # AdamW runs on the compute thread on a CPU device (Engine.optimizer_runs_on_compute)
+    assert counts == {"compute": two_threads, "copy": 1, "h2d": 1, "io": 1, "optimizer": two_threads, "data": 1,
+                      "sync": 1}
     # the caller's thread and threads made later keep torch's count
     assert torch.get_num_threads() == two_threads
     assert _new_thread_count() == two_threads
@@ -102,33 +104,43 @@ def _own_os_name() -> str:
 async def test_snake_threads_carry_their_names_in_the_os(tmp_path):
     """top -H, py-spy and perf show OS thread names: each snake thread has its own."""
     names = await _on_every_executor(tmp_path, _own_os_name)
-    assert {k: v for k, v in names.items() if k not in ("io", "optimizer")} == {
+    assert {k: v for k, v in names.items() if k != "io"} == {
         "compute": "snake-compute_0", "copy": "snake-copy_0", "data": "snake-data_0",
+        "optimizer": "snake-compute_0",  # on a CPU device AdamW runs on the compute thread
         "h2d": "snake-copy_0",  # on a CPU device both copy directions share one thread (on CUDA: snake-h2d_0)
         "sync": "snake-sync_0",  # waits for the compute stream's marks (used on CUDA only)
     }
     assert names["io"] in ("snake-io_0", "snake-io_1")
-    assert names["optimizer"] == "snake-optimizer"  # "snake-optimizer_N" cut to 15 bytes
     assert _own_os_name() != "snake-compute_0"  # the caller's thread keeps its name
 
 
 @pytest.mark.asyncio
-async def test_cpu_device_runs_adamw_on_the_compute_thread_when_nothing_goes_to_ssd(tmp_path, monkeypatch):
-    """All in CPU memory on a CPU device: AdamW queues on the compute thread (between jobs, on
-    the kernels' cores) instead of taking a core from them; with anything the step writes on
-    the SSD it keeps its own threads (the placement=0.5 tests above)."""
+@pytest.mark.parametrize("on_compute", [True, False])
+@pytest.mark.parametrize("opt_share", [1.0, 0.5])
+async def test_cpu_device_runs_adamw_on_the_compute_thread(tmp_path, monkeypatch, opt_share, on_compute):
+    """On a CPU device AdamW queues on the compute thread (between jobs, on the kernels'
+    cores) instead of taking a core from them, whether or not its states live on the SSD;
+    with `Engine.optimizer_on_compute` off (the benchmarks' A/B) it has threads of its own,
+    named in the OS, with one intra-op thread each."""
     import snake.actors.optimizer as opt_actor
+    from snake.engine import Engine
 
-    seen: list[str] = []
+    monkeypatch.setattr(Engine, "optimizer_on_compute", on_compute)
+    seen: list[tuple[str, int]] = []
     real = opt_actor.step_unit
 
     def spy(*a, **k):  # type: ignore[no-untyped-def]
-        seen.append(_own_os_name())
+        seen.append((_own_os_name(), torch.get_num_threads()))
         return real(*a, **k)
 
     monkeypatch.setattr(opt_actor, "step_unit", spy)
-    cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement.all_cpu(), alpha=0.0, device="cpu")
+    cfg = SnakeConfig(micro_batches=2, offload_dir=str(tmp_path), placement=Placement(param=1.0, ckpt=1.0, opt=opt_share),
+                      alpha=0.0, device="cpu")
     async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(3, 4), config=cfg) as trainer:
         await trainer.run(2)
-        assert trainer.engine.executors["optimizer"] is trainer.engine.executors["compute"]
-    assert seen and set(seen) == {"snake-compute_0"}
+        shared = trainer.engine.executors["optimizer"] is trainer.engine.executors["compute"]
+    assert shared == on_compute
+    if on_compute:
+        assert seen and set(seen) == {("snake-compute_0", torch.get_num_threads())}
+    else:
+        assert seen and set(seen) == {("snake-optimizer", 1)}  # "snake-optimizer_N" cut to 15 bytes
