@@ -61,6 +61,8 @@ AB = {
                   lambda: setattr(Engine, "optimizer_on_compute", True)),
     "grads": ("_grad_copies", lambda: setattr(Engine, "grads_in_slots", False),
               lambda: setattr(Engine, "grads_in_slots", True)),
+    "views": ("_views_each_use", lambda: setattr(Engine, "keep_unit_views", False),
+              lambda: setattr(Engine, "keep_unit_views", True)),
 }
 GROUP = compute.CPU_GROUP
 
@@ -162,6 +164,7 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
             wall = time.perf_counter() - w0
             b, st1 = t.trace.threads(), proc_stat()
             kernels = sum(s.end_s - s.start_s for s in t.trace.spans if s.actor == "compute" and s.start_s >= s0)
+            gaps = compute_thread_gaps(t, s0)
             ops = sum(1 for s in t.trace.spans if s.start_s >= s0)
             ssd_ops = sum(1 for s in t.trace.spans if s.start_s >= s0 and s.actor in ("ssd_read", "ssd_write"))
     if off is not None:
@@ -170,7 +173,25 @@ async def snake_measured(cfg, m: int, placement: Placement, alpha: float, cap: f
             "traced_operations_per_iteration": ops / steps, "ssd_operations_per_iteration": ssd_ops / steps,
             "cpu_s_per_iteration": {g: v["cores"] * wall / steps for g, v in cpu_delta(a, b, wall).items()},
             "machine_cores": stat_delta(st0, st1, wall),
-            "compute_busy_s_per_iteration": kernels / steps}
+            "compute_busy_s_per_iteration": kernels / steps,
+            "compute_thread_idle_s_per_iteration": sum(gaps) / steps,
+            "compute_thread_gaps_over_2ms_per_iteration": sum(g > 2e-3 for g in gaps) / steps}
+
+
+def compute_thread_gaps(t: SnakeTrainer, s0: float) -> list[float]:
+    """Idle stretches of the compute thread after trace time s0: between consecutive spans
+    of the work it runs (compute jobs, and AdamW where it runs there)."""
+    e = t.engine
+    assert e is not None
+    on_compute = e.optimizer_runs_on_compute()
+    spans = sorted((s.start_s, s.end_s) for s in t.trace.spans if s.start_s >= s0 and (
+        s.actor == "compute" or (on_compute and s.actor.startswith("optimizer"))))
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a > end:
+            gaps.append(a - end)
+        end = b if end is None else max(end, b)
+    return gaps
 
 
 def part2(pairs: int, slope: float, ab: str | None, m: int = 16, budget_mib: float = BUDGET_MIB,
@@ -225,6 +246,10 @@ def part2(pairs: int, slope: float, ab: str | None, m: int = 16, budget_mib: flo
             "torch_over_snake_per_pair": ratios, "torch_over_snake_median": statistics.median(ratios),
             "torch_fwd_bwd_over_snake_compute_busy": statistics.median(kernels),
             "traced_operations_per_iteration": statistics.median(r["traced_operations_per_iteration"] for r in rows[key]),
+            "compute_thread_idle_s_per_iteration": statistics.median(
+                r["compute_thread_idle_s_per_iteration"] for r in rows[key]),
+            "compute_thread_gaps_over_2ms_per_iteration": statistics.median(
+                r["compute_thread_gaps_over_2ms_per_iteration"] for r in rows[key]),
             "snake_compute_busy_fraction": statistics.median(
                 r["compute_busy_s_per_iteration"] / r["seconds"] for r in rows[key]),
             "threads": threads, "helper_cores": helpers,
@@ -285,8 +310,8 @@ def main() -> None:
     ap.add_argument("--ab", choices=sorted(AB), default=None,
                     help="part 2 also with a CPU-device shortcut off, in the same pairs: inline (the compute "
                          "thread stores activations itself), group (several micro-batches per compute job) or "
-                         "optimizer (AdamW on the compute thread) or grads (vertical's optimizer steps from the gradient "
-                         "slot instead of a copy)")
+                         "optimizer (AdamW on the compute thread), grads (vertical's optimizer steps from the gradient "
+                         "slot instead of a copy) or views (store-unit views made once, not per use)")
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
     ap.add_argument("--op-cost-m", type=int, default=16, metavar="M", help="micro-batches for part 3")
@@ -333,7 +358,9 @@ def main() -> None:
               f"compute {v['helper_cores']:.3f} of a core, {v['traced_operations_per_iteration']:.0f} traced "
               f"operations per iteration -> predicted {v['predicted_torch_over_snake']:.2f}; "
               f"compute busy {v['snake_compute_busy_fraction']:.2f} of the iteration, PyTorch fwd+bwd / snake's "
-              f"compute busy time {v['torch_fwd_bwd_over_snake_compute_busy']:.2f}")
+              f"compute busy time {v['torch_fwd_bwd_over_snake_compute_busy']:.2f}; compute thread idle "
+              f"{v['compute_thread_idle_s_per_iteration'] * 1e3:.0f} ms per iteration, "
+              f"{v['compute_thread_gaps_over_2ms_per_iteration']:.0f} gaps over 2 ms")
         for g, c in sorted(v["threads"].items(), key=lambda kv: -kv[1]["cores"]):
             print(f"    {g:32s} {c['cores']:.3f} cores, run-queue wait {c['runqueue_wait']:.3f}")
     result = {"machine": machine(), "part1": p1, "part2": p2, "seconds_total": time.perf_counter() - t0}

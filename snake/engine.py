@@ -40,6 +40,8 @@ class Engine:
     # vertical on a CPU device: the optimizer steps from the gradient slot itself
     # (slot_grads; the same benchmark turns it off)
     grads_in_slots = True
+    # store-unit views made once and kept (unit_views; the same benchmark turns it off)
+    keep_unit_views = True
 
     def __init__(
         self,
@@ -200,7 +202,10 @@ class Engine:
         if key not in self.unit_views:
             store = self.stores[kind]
             u = store.unit(key[2])
-            self.unit_views[key] = None if u.tail_n else store.head(u)[0]
+            view = None if u.tail_n else store.head(u)[0]
+            if not self.keep_unit_views:
+                return view
+            self.unit_views[key] = view
         return self.unit_views[key]
 
     @staticmethod

@@ -70,7 +70,9 @@ class HostToDevice(Actor):
         views = self.e.unit_views
         view = views.get(("h2d", kind, key))
         if view is None:
-            view = views[("h2d", kind, key)] = alias(base, offset, shape)
+            view = alias(base, offset, shape)
+            if self.e.keep_unit_views:
+                views[("h2d", kind, key)] = view
         return view
 
     async def run(self) -> None:
