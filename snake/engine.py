@@ -199,14 +199,14 @@ class Engine:
         if not self.inline_stores or self.device.type != "cpu":
             return None
         key = ("inline", kind, self.unit_key(kind, layer, micro_batch))
-        if key not in self.unit_views:
-            store = self.stores[kind]
-            u = store.unit(key[2])
-            view = None if u.tail_n else store.head(u)[0]
-            if not self.keep_unit_views:
-                return view
+        if key in self.unit_views:
+            return self.unit_views[key]
+        store = self.stores[kind]
+        u = store.unit(key[2])
+        view = None if u.tail_n else store.head(u)[0]
+        if self.keep_unit_views:
             self.unit_views[key] = view
-        return self.unit_views[key]
+        return view
 
     @staticmethod
     def unit_key(kind: str, layer: int, micro_batch: int) -> tuple[int, int]:
@@ -260,8 +260,9 @@ class Engine:
 
     def _make_grads(self) -> None:
         """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers
-        for the now-step (on a CPU device the gradient slots themselves, `slot_grads`), plus room per layer for the delayed (alpha) share until the next
-        iteration's forward (`_delayed_room`). Horizontal: an fp32 accumulator per layer
+        for the now-step (on a CPU device the gradient slots themselves, `slot_grads`), plus
+        room per layer for the delayed (alpha) share until the next iteration's forward
+        (`_delayed_room`). Horizontal: an fp32 accumulator per layer
         (ZeRO-Infinity style; the delayed share stays in it until it is stepped). On CUDA,
         horizontal also has one pinned layer buffer (`grad_staging`) that each micro-batch's
         gradient crosses on the copy stream before it is added to the accumulator."""

@@ -64,9 +64,10 @@ class HostToDevice(Actor):
         self.copier = Copier(engine.device)
 
     def _alias(self, kind: str, key: Hashable, base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """`alias` of a store unit, made on first use and kept (`Engine.unit_views`): a unit's
-        place in its store never moves, and each tensor made on the event loop cost it ~40-50 us (two thirds
-        of the loop's torch calls per iteration were these, on round 14's VM)."""
+        """`alias` of a store unit, made on first use and kept (`Engine.unit_views`): a
+        unit's place in its store never moves, and each tensor made on the event loop cost
+        it ~40-50 us (two thirds of the loop's torch calls per iteration were these on a
+        2-core VM, BENCHMARKS.md section 12)."""
         views = self.e.unit_views
         view = views.get(("h2d", kind, key))
         if view is None:
@@ -241,7 +242,7 @@ class DeviceToHost(Actor):
         nbytes = e.P * 4
         label = f"grads L{msg.layer}" + (f" mb{msg.micro_batch}" if msg.micro_batch >= 0 else "")
         dest = self.optimizers[msg.layer % len(self.optimizers)]
-        if e.vertical and e.grad_host is None:  # CPU device: the optimizer steps from the slot
+        if e.slot_grads():  # vertical, CPU device: the optimizer steps from the slot itself
             try:
                 await e.link_wait("gpu->cpu", nbytes)
             except BaseException:
