@@ -80,6 +80,15 @@ def add_model_args(ap, *, layers: int, width: int, seq: int) -> None:  # type: i
     ap.add_argument("--seq", type=int, default=seq, help=f"tokens per sequence (default {seq})")
 
 
+def checked_warmup(args) -> None:  # type: ignore[no-untyped-def]
+    """--warmup must leave at least one timed iteration of --steps; exits with the fix."""
+    if args.warmup < 1:
+        raise SystemExit(f"--warmup {args.warmup}: must be >= 1 (the first iteration is never timed)")
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps {args.steps} --warmup {args.warmup}: --steps must exceed --warmup "
+                         f"(e.g. --steps {args.warmup + 3})")
+
+
 def checked_device(args, positive: tuple[str, ...] = ()) -> str:  # type: ignore[no-untyped-def]
     """The device the parsed `args` ask for (`add_model_args`), after checking it and that the
     model flags and `positive` (more int flags) are >= 1; exits with the flag and the fix."""
@@ -134,10 +143,13 @@ async def snake_run_async(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
     placement: Placement | None, alpha: float | None, schedule: str = "vertical",
     cap: float | None = None, cpu_memory_bytes: int | None = None, seed: int = 0,
-    probe=None, link: float | None = None, device: str = "cpu",
+    probe=None, link: float | None = None, device: str = "cpu", warmup: int = 1,
 ) -> dict[str, Any]:
-    """One trainer, `steps` iterations; step 0 is discarded. `probe`: an async callable
-    started next to run() (for loop-lag measurements); its result goes in out['probe']."""
+    """One trainer, `steps` iterations; the first `warmup` are not timed. Where the SSD
+    binds, the first iterations run faster than the steady state: the optimizer-state tail
+    buffers' write-behind fills over them (up to ~0.4 s of SSD time here, BENCHMARKS.md
+    section 13). `probe`: an async callable started next to run() (for loop-lag
+    measurements); its result goes in out['probe']."""
     model, data = on_worker(lambda: (make_model(cfg, seed),
                                      make_batches(cfg, micro_batches * micro_batch_size, seq, steps)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
@@ -158,14 +170,14 @@ async def snake_run_async(
             n_spans = len(t.trace.spans)
             traffic = t.traffic()
             resolved = t.config
-    secs = [s.seconds for s in report.steps[1:]]
+    secs = [s.seconds for s in report.steps[warmup:]]
     tokens = report.steps[-1].tokens
     it = statistics.median(secs)
     return {
         "schedule": schedule, "micro_batches": micro_batches, "cap_bytes_per_s": cap, "device": device,
         "placement": {k: getattr(resolved.placement, k) for k in ("param", "ckpt", "opt")},
         "alpha": resolved.alpha,
-        "step_seconds": [s.seconds for s in report.steps], "iteration_seconds": stats(secs),
+        "step_seconds": [s.seconds for s in report.steps], "warmup": warmup, "iteration_seconds": stats(secs),
         "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,
         "tflops": model_flops_per_token(cfg, seq) * tokens / it / 1e12,
         "losses": [s.loss for s in report.steps],
@@ -196,12 +208,12 @@ def torch_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
 
 def torch_loop(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
-    activation_checkpointing: bool, seed: int = 0, device: str = "cpu",
+    activation_checkpointing: bool, seed: int = 0, device: str = "cpu", warmup: int = 1,
 ) -> dict[str, Any]:
     """Plain in-memory PyTorch: gradient accumulation over micro-batches + torch.optim.AdamW
     (fused where the build has it), optionally torch.utils.checkpoint per block. On CUDA the
     model, its optimizer states and the batches live on the GPU (the in-memory baseline) and
-    each timestamp waits for the GPU."""
+    each timestamp waits for the GPU. The first `warmup` iterations are not timed."""
     dev = torch.device(device)
     model = make_model(cfg, seed).to(dev)
     data = [(x.to(dev), y.to(dev)) for x, y in make_batches(cfg, micro_batches * micro_batch_size, seq, steps)]
@@ -233,13 +245,14 @@ def torch_loop(
         fb_s.append(t1 - t0)
         opt_s.append(t2 - t1)
         losses.append(total)
-    it = statistics.median(step_s[1:])
+    w = warmup
+    it = statistics.median(step_s[w:])
     tokens = micro_batches * micro_batch_size * seq
     return {
         "schedule": "torch+ckpt" if activation_checkpointing else "torch", "micro_batches": micro_batches,
         "device": device,
-        "step_seconds": step_s, "iteration_seconds": stats(step_s[1:]),
-        "fwd_bwd_seconds": stats(fb_s[1:]), "fwd_bwd_step_seconds": fb_s, "optimizer_seconds": stats(opt_s[1:]),
+        "step_seconds": step_s, "warmup": w, "iteration_seconds": stats(step_s[w:]),
+        "fwd_bwd_seconds": stats(fb_s[w:]), "fwd_bwd_step_seconds": fb_s, "optimizer_seconds": stats(opt_s[w:]),
         "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,
         "tflops": model_flops_per_token(cfg, seq) * tokens / it / 1e12, "losses": losses,
     }

@@ -6,7 +6,7 @@ Figures 11 and 12 at CPU scale), side by side in one run:
 - Figure 12: everything on SSD vs the planner's placement for a CPU memory budget that
   holds about half of the optimizer states (alpha from the planner in both).
 
-    python benchmarks/delay_and_ssd.py          # ~4 min on 2 cores; --quick for a smoke run
+    python benchmarks/delay_and_ssd.py          # ~5 min on 2 cores; --quick for a smoke run
 
 Model as in throughput.py (GPT 4 x 512, seq 32, micro-batch 1), SSD capped at 300 MB/s.
 Writes benchmarks/results/delay_and_ssd.json and delay_and_ssd.png.
@@ -22,6 +22,7 @@ from common import (  # type: ignore[import-not-found]
     SCRATCH,
     add_model_args,
     checked_device,
+    checked_warmup,
     figure,
     gpt_config,
     machine,
@@ -44,7 +45,10 @@ OPT_ON_SSD = Placement(param=1.0, ckpt=1.0, opt=0.0)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=7, help="iterations per run, --warmup of them not timed")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="first iterations not timed: here the SSD binds, and the optimizer-state write-behind "
+                         "fills over the first two or three (BENCHMARKS.md section 13)")
     ap.add_argument("--rounds", type=int, default=2)
     add_model_args(ap, layers=4, width=512, seq=32)
     args = ap.parse_args()
@@ -52,7 +56,9 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     L, C, T, MB = args.layers, args.width, args.seq, 1
     ms = [1, 4] if args.quick else [1, 2, 4, 8]
-    steps = 2 if args.quick else args.steps
+    if not args.quick:
+        checked_warmup(args)
+    steps, warmup = (2, 1) if args.quick else (args.steps, args.warmup)
     cfg = gpt_config(L, C, T)
     t_start = time.perf_counter()
     SCRATCH.mkdir(parents=True, exist_ok=True)
@@ -73,7 +79,7 @@ def main() -> None:
         p_allssd = best_alpha(prof, m, alphas=ALPHAS, placement=Placement.all_ssd())
         for p in (p_fixed, p_budget, p_allssd):
             assert isinstance(p, Plan), p
-        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, cap=CAP, device=device)
+        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, warmup=warmup, cap=CAP, device=device)
         row = {"M": m, "cpu_memory_budget": budget,
                "planned_alpha_opt_on_ssd": p_fixed.alpha,
                "planned_budget": {"alpha": p_budget.alpha, "placement": {

@@ -44,6 +44,7 @@ from common import (  # type: ignore[import-not-found]
     SCRATCH,
     add_model_args,
     checked_device,
+    checked_warmup,
     figure,
     gpt_config,
     machine,
@@ -178,8 +179,8 @@ def pooled_roofline(result: dict, roof_capped: list[dict], sweep: bool = True) -
         if not vs:
             continue
         tok = vs[0]["tokens_per_iteration"]
-        v_steps = [x for r in vs for x in r["step_seconds"][1:]]
-        t_steps = [x for r in ts for x in r.get("fwd_bwd_step_seconds", [])[1:]]
+        v_steps = [x for r in vs for x in r["step_seconds"][r.get("warmup", 1):]]
+        t_steps = [x for r in ts for x in r.get("fwd_bwd_step_seconds", [])[r.get("warmup", 1):]]
         if not t_steps:  # a result from before per-step times were kept
             t_steps = [r["fwd_bwd_seconds"]["median"] for r in ts]
         compute = tok / statistics.median(t_steps)
@@ -258,7 +259,9 @@ def analyze(result: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M in 1,2 and 2 steps: smoke test")
-    ap.add_argument("--steps", type=int, default=4, help="iterations per run (first discarded)")
+    ap.add_argument("--steps", type=int, default=4, help="iterations per run, --warmup of them not timed")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="first iterations of each run not timed (default 1; 2 where the SSD binds, section 13)")
     ap.add_argument("--fixed", action="store_true",
                     help="also run the old comparison: one fixed placement for both, no budget")
     ap.add_argument("--fixed-only", action="store_true",
@@ -292,12 +295,13 @@ def main() -> None:
         return
     if args.fixed_only:
         import json
+        checked_warmup(args)
         result = json.loads((RESULTS / "throughput.json").read_text())
         cfg = gpt_config(result["model"]["n_layer"], result["model"]["n_embd"], result["model"]["seq"])
         t0 = time.perf_counter()
         for m in result["Ms"]:
             common = dict(micro_batches=m, micro_batch_size=result["model"]["micro_batch_size"],
-                          seq=result["model"]["seq"], steps=args.steps)
+                          seq=result["model"]["seq"], steps=args.steps, warmup=args.warmup)
             for label, cap in (("capped", CAP), ("uncapped", None)):
                 run_fixed(cfg, result["runs"], m, label, cap, common)
         result["seconds_fixed_only"] = time.perf_counter() - t0
@@ -308,7 +312,9 @@ def main() -> None:
     device = checked_device(args, ("micro_batch_size", "steps", "roof_rounds"))
     L, C, T, MB = args.layers, args.width, args.seq, args.micro_batch_size
     ms = [1, 2] if args.quick else [int(x) for x in args.ms.split(",")]
-    steps = 2 if args.quick else args.steps
+    if not args.quick:
+        checked_warmup(args)
+    steps, warmup = (2, 1) if args.quick else (args.steps, args.warmup)
     cfg = gpt_config(L, C, T)
     budget = int(args.budget_mib * 2**20)
     link = None if args.link_mb is None else args.link_mb * 1e6
@@ -346,7 +352,7 @@ def main() -> None:
     min_io: dict[str, list[float]] = {lab: [] for lab in caps}
     runs: dict[str, list[dict]] = {}
     for m in ms:
-        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, device=device)
+        common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, warmup=warmup, device=device)
         for label, cap in caps.items():
             prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget,
                                                              device_link_bytes_per_s=link))
@@ -380,7 +386,7 @@ def main() -> None:
     if "capped" in caps:
         for rnd in range(1, 1 if args.quick else args.roof_rounds):
             for i, m in enumerate(ms):
-                common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, device=device)
+                common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, warmup=warmup, device=device)
                 pj = plans["capped"]["vertical"][i]
                 order = ("torch+ckpt", "vertical_capped") if rnd % 2 else ("vertical_capped", "torch+ckpt")
                 for side in order:

@@ -63,6 +63,43 @@ def test_pooled_roofline_pools_all_rounds():
     assert abs(row["ratio"] - (100 / 1.1) / 40.0) < 1e-9 and row["link_roofline"] == 40.0
 
 
+def test_pooled_roofline_skips_each_runs_warmup_iterations():
+    """Runs made with --warmup N are timed from iteration N + 1: where the SSD binds the first
+    ones run fast while the write-behind fills (section 13), and must not count."""
+    throughput = importlib.import_module("throughput")
+    vert = {"tokens_per_iteration": 100, "step_seconds": [9.0, 0.5, 0.5, 1.0], "warmup": 3, "tokens_per_s": 100.0}
+    torch_ckpt = {"fwd_bwd_step_seconds": [9.0, 0.25, 0.25, 1.0], "warmup": 3, "fwd_bwd_seconds": {"median": 1.0}}
+    result = {"runs": {"vertical_capped": [vert], "torch+ckpt": [torch_ckpt]},
+              "roof_repeats": {"vertical_capped": [[dict(vert)]], "torch+ckpt": [[dict(torch_ckpt)]]}}
+    [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 1000.0}])
+    assert row["vertical"] == 100.0 and row["compute_roofline_torch_ckpt"] == 100.0
+    # results from before --warmup: the first iteration only
+    for r in (vert, torch_ckpt, *result["roof_repeats"]["vertical_capped"][0], *result["roof_repeats"]["torch+ckpt"][0]):
+        del r["warmup"]
+    [row] = throughput.pooled_roofline(result, [{"M": 4, "io_roofline": 1000.0}])
+    assert row["vertical"] == 200.0 and row["compute_roofline_torch_ckpt"] == 400.0
+
+
+def test_warmup_flag_is_checked_and_runs_time_the_iterations_after_it(tmp_path, monkeypatch):
+    import argparse
+
+    common = importlib.import_module("common")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    for argv, msg in ((["--warmup", "0"], "--warmup 0: must be >= 1"),
+                      (["--steps", "3", "--warmup", "3"], "--steps must exceed --warmup")):
+        with pytest.raises(SystemExit, match=msg):
+            common.checked_warmup(ap.parse_args(argv))
+    common.checked_warmup(ap.parse_args(["--steps", "5", "--warmup", "2"]))
+    monkeypatch.setattr(common, "SCRATCH", tmp_path)
+    cfg = common.gpt_config(2, 64, 8)
+    r = common.snake_run(cfg, micro_batches=2, micro_batch_size=1, seq=8, steps=4, warmup=2, placement=None, alpha=None)
+    assert r["warmup"] == 2 and len(r["step_seconds"]) == 4 and r["iteration_seconds"]["n"] == 2
+    t = common.torch_loop(cfg, micro_batches=2, micro_batch_size=1, seq=8, steps=4, activation_checkpointing=True, warmup=3)
+    assert t["warmup"] == 3 and t["iteration_seconds"]["n"] == 1
+
+
 def test_vertical_link_bytes_count_each_layer_twice_in_and_its_gradient_out():
     throughput = importlib.import_module("throughput")
     shape = {"n_layers": 8, "layer_params": 1000, "ckpt_elems": 10, "resident_params": 0, "tokens_per_micro": 32,
