@@ -245,14 +245,14 @@ def torch_loop(
         fb_s.append(t1 - t0)
         opt_s.append(t2 - t1)
         losses.append(total)
-    w = warmup
-    it = statistics.median(step_s[w:])
+    it = statistics.median(step_s[warmup:])
     tokens = micro_batches * micro_batch_size * seq
     return {
         "schedule": "torch+ckpt" if activation_checkpointing else "torch", "micro_batches": micro_batches,
         "device": device,
-        "step_seconds": step_s, "warmup": w, "iteration_seconds": stats(step_s[w:]),
-        "fwd_bwd_seconds": stats(fb_s[w:]), "fwd_bwd_step_seconds": fb_s, "optimizer_seconds": stats(opt_s[w:]),
+        "step_seconds": step_s, "warmup": warmup, "iteration_seconds": stats(step_s[warmup:]),
+        "fwd_bwd_seconds": stats(fb_s[warmup:]), "fwd_bwd_step_seconds": fb_s,
+        "optimizer_seconds": stats(opt_s[warmup:]),
         "tokens_per_iteration": tokens, "tokens_per_s": tokens / it,
         "tflops": model_flops_per_token(cfg, seq) * tokens / it / 1e12, "losses": losses,
     }

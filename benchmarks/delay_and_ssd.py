@@ -6,7 +6,7 @@ Figures 11 and 12 at CPU scale), side by side in one run:
 - Figure 12: everything on SSD vs the planner's placement for a CPU memory budget that
   holds about half of the optimizer states (alpha from the planner in both).
 
-    python benchmarks/delay_and_ssd.py          # ~5 min on 2 cores; --quick for a smoke run
+    python benchmarks/delay_and_ssd.py          # ~4.5 min on 2 cores; --quick for a smoke run
 
 Model as in throughput.py (GPT 4 x 512, seq 32, micro-batch 1), SSD capped at 300 MB/s.
 Writes benchmarks/results/delay_and_ssd.json and delay_and_ssd.png.
