@@ -69,6 +69,67 @@ def test_bandwidth_cap(tmp_path):
     assert "cap" in f.backend
 
 
+def test_capped_read_goes_before_a_write_in_flight(tmp_path):
+    """Under the cap a read waits for one piece of a large write already moving, not for all
+    of it, and the two together still respect the cap."""
+    import threading
+
+    rate = 16e6
+    f = open_storage(tmp_path / "x.bin", 9 * 2**20, bucket=TokenBucket(rate))
+    big, small = _buf(8 * 2**20, fill=2), _buf(256 * 1024)
+    t0 = time.perf_counter()
+    writer = threading.Thread(target=f.pwrite, args=(big.memoryview(8 * 2**20), 0))
+    writer.start()
+    time.sleep(0.05)
+    r0 = time.perf_counter()
+    f.pread(small.memoryview(256 * 1024), 8 * 2**20)
+    read_s = time.perf_counter() - r0
+    writer.join()
+    total_s = time.perf_counter() - t0
+    f.close()
+    # reads first: ~one 1 MiB piece (65 ms) + its own 256 KiB (16 ms); behind the whole
+    # write it would wait ~0.5 s
+    assert read_s < 0.25, read_s
+    assert total_s >= 0.8 * (8 * 2**20 + 256 * 1024 - TokenBucket(rate).burst) / rate
+
+
+def test_capped_writes_wait_while_a_read_is_in_progress():
+    import threading
+
+    bucket, passed = TokenBucket(1e9), threading.Event()
+    waiter = threading.Thread(target=lambda: (bucket.wait_for_reads(), passed.set()))
+    with bucket.reading():
+        waiter.start()
+        assert not passed.wait(0.2)  # held while the read moves
+    assert passed.wait(5)  # and let go when it ends
+    waiter.join()
+
+
+def test_a_failed_capped_read_does_not_hold_writes_back(tmp_path):
+    """A read that raises still ends its turn: the next write goes at once."""
+    from snake.io.base import Throttled
+
+    class Failing:  # a fake file: only this test's read fails
+        path, backend = tmp_path / "x.bin", "fake"
+
+        def pread(self, buf, offset):
+            raise StorageError(5, "injected")
+
+        def pwrite(self, buf, offset):
+            pass
+
+        def close(self):
+            pass
+
+    bucket = TokenBucket(1e9)
+    f = Throttled(Failing(), bucket)
+    with pytest.raises(StorageError, match="injected"):
+        f.pread(memoryview(bytearray(ALIGN)), 0)
+    t0 = time.perf_counter()
+    f.pwrite(memoryview(bytearray(ALIGN)), 0)  # would block forever with the read still counted
+    assert time.perf_counter() - t0 < 0.5
+
+
 def _vm_flags(addr: int) -> list[str]:
     """The VmFlags of the mapping holding `addr`, from /proc/self/smaps."""
     inside = False
