@@ -7,6 +7,8 @@
     python benchmarks/contention.py --slope 1.62 --ab inline --m 16 --micro-batch-size 2 --budget-mib 420 \
         --cap-mb 150 --link-mb 600 --name contention_link_inline
         # part 2 only, in the link setting of BENCHMARKS.md section 10, inline stores on / off
+    python benchmarks/contention.py --io-cost 150 --m 8 --micro-batch-size 2 --rounds 8
+        # part 4 only, ~3 min: what SSD traffic at 150 MB/s costs the kernels (link setting, M = 8)
 
 On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
 the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
@@ -19,8 +21,13 @@ M = 16, the planned placement under the same 345 MiB budget and 300 MB/s SSD cap
 everything in CPU memory, next to the PyTorch + checkpointing loop in alternating pairs, and
 compares the measured ratio with the one part 1's slope predicts from the helpers' share.
 Part 3 (--op-cost) measures what one SSD operation costs (the planner's per-operation
-constants, planner/model.py). Writes benchmarks/results/contention.json (part 3:
-contention_op_cost[_mM].json).
+constants, planner/model.py). Part 4 (--io-cost) measures what SSD traffic alone costs the
+kernels: the PyTorch + checkpointing loop while a side thread reads, writes, or does both
+through snake's own storage backend (O_DIRECT, aligned buffers, the token-bucket cap) at a set
+rate, against the loop alone, in alternating rounds. Where the SSD and the compute roofs meet,
+the SSD is busy the whole iteration, so 1 / this slowdown bounds what the runtime can reach of
+the compute roofline there. Writes benchmarks/results/contention.json (part 3:
+contention_op_cost[_mM].json; part 4: contention_io_cost.json).
 """
 
 from __future__ import annotations
@@ -49,7 +56,10 @@ from planner import Infeasible, measure_profile, search
 from planner.integrate import with_budgets
 from snake import Placement, SnakeConfig, SnakeTrainer
 from snake.actors import compute
+from snake.buffers import alloc_host
 from snake.engine import Engine
+from snake.io import open_storage
+from snake.io.base import Throttled, TokenBucket
 
 # what --ab turns off for the "before" variants of part 2: (variant suffix, how, how to undo)
 AB = {
@@ -63,8 +73,13 @@ AB = {
               lambda: setattr(Engine, "grads_in_slots", True)),
     "views": ("_views_each_use", lambda: setattr(Engine, "keep_unit_views", False),
               lambda: setattr(Engine, "keep_unit_views", True)),
+    "chunk": ("_whole_transfers", lambda: setattr(Throttled, "CHUNK", 1 << 62),
+              lambda: setattr(Throttled, "CHUNK", CHUNK)),
+    "reads": ("_fifo", lambda: (setattr(Throttled, "CHUNK", 1 << 62), setattr(TokenBucket, "reads_first", False)),
+              lambda: (setattr(Throttled, "CHUNK", CHUNK), setattr(TokenBucket, "reads_first", True))),
 }
 GROUP = compute.CPU_GROUP
+CHUNK = Throttled.CHUNK
 
 CAP = 300e6
 BUDGET_MIB = 345  # throughput.py's budget
@@ -298,6 +313,77 @@ def op_cost(pairs: int, m: int) -> dict:
             "rows": rows, "per_pair": per_pair, "summary": summary}
 
 
+IO_KINDS = ("read", "write", "mixed")
+
+
+def io_burner(kind: str, rate: float, op_bytes: int, path: str, stop: threading.Event, out: list[dict]) -> None:
+    """Moves `op_bytes` per operation through snake's storage backend, capped at `rate`
+    bytes/s: reads, writes, or the two alternating (one bucket, as the runtime shares it)
+    until `stop`. Records its CPU time and bytes moved."""
+    slots = 4
+    f = open_storage(path, op_bytes * slots, bucket=TokenBucket(rate))
+    buf = alloc_host(op_bytes, pin=False)
+    view = memoryview(buf.data.numpy()).cast("B")
+    try:
+        f.pwrite(view, 0)  # every slot readable (fallocate'd extents read as zeros without I/O)
+        for i in range(1, slots):
+            f.pwrite(view, i * op_bytes)
+        c0, moved, i = time.thread_time(), 0, 0
+        while not stop.is_set():
+            write = kind == "write" or (kind == "mixed" and i % 2 == 1)
+            (f.pwrite if write else f.pread)(view, (i % slots) * op_bytes)
+            moved += op_bytes
+            i += 1
+        out.append({"cpu_s": time.thread_time() - c0, "bytes": moved})
+    finally:
+        f.close()
+
+
+def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int) -> dict:
+    """Part 4: the PyTorch + checkpointing loop (8 x 512, `m` micro-batches of `mbs` x 32
+    tokens, 4 iterations, 1 not timed) alone, and with a side thread moving SSD traffic at each
+    rate (read, write, mixed), in alternating rounds."""
+    cfg = gpt_config(8, 512, 32)
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    variants = [("none", 0.0)] + [(k, r) for r in rates for k in IO_KINDS]
+    rows: dict[str, list[dict]] = {f"{k}_{r / 1e6:g}" if r else k: [] for k, r in variants}
+    on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=mbs, seq=32, steps=2,
+                                 activation_checkpointing=True))  # the process's first loop pays its page faults
+    for rnd in range(rounds):
+        for (kind, rate), key in (zip(variants, rows) if rnd % 2 == 0 else list(zip(variants, rows))[::-1]):
+            stop, out = threading.Event(), []
+            with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+                side = None if kind == "none" else threading.Thread(
+                    target=io_burner, args=(kind, rate, op_bytes, f"{d}/io.bin", stop, out))
+                if side:
+                    side.start()
+                    time.sleep(0.2)  # past the file's first writes
+                st0, w0 = proc_stat(), time.perf_counter()
+                r = on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=mbs, seq=32, steps=4,
+                                                 activation_checkpointing=True))
+                wall = time.perf_counter() - w0
+                st1 = proc_stat()
+                stop.set()
+                if side:
+                    side.join()
+            rows[key].append({"seconds": r["iteration_seconds"]["median"], "fwd_bwd_seconds": r["fwd_bwd_seconds"]["median"],
+                              "machine_cores": stat_delta(st0, st1, wall),
+                              "io_thread_cores": out[0]["cpu_s"] / wall if out else 0.0,
+                              "io_bytes_per_s": out[0]["bytes"] / wall if out else 0.0})
+        print("part 4 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
+    summary = {}
+    for key, rs in rows.items():
+        # per round against the same round's loop alone (the VM drifts over minutes)
+        per_round = [b["seconds"] / a["seconds"] for a, b in zip(rows["none"], rs, strict=True)]
+        summary[key] = {"seconds": statistics.median(r["seconds"] for r in rs),
+                        "slowdown_per_round": per_round, "slowdown": statistics.median(per_round),
+                        "io_thread_cores": statistics.median(r["io_thread_cores"] for r in rs),
+                        "io_bytes_per_s": statistics.median(r["io_bytes_per_s"] for r in rs),
+                        "machine_cores": _median_fields([r["machine_cores"] for r in rs])}
+    return {"model": f"GPT 8 x 512, {m} micro-batches of {mbs} x 32 tokens, PyTorch + checkpointing",
+            "op_bytes": op_bytes, "rates_bytes_per_s": rates, "rows": rows, "summary": summary}
+
+
 def _median_fields(rows: list[dict[str, float]]) -> dict[str, float]:
     return {f: statistics.median(r[f] for r in rows) for f in _STAT_FIELDS}
 
@@ -311,11 +397,17 @@ def main() -> None:
                     help="part 2 also with a CPU-device shortcut off, in the same pairs: inline (the compute "
                          "thread stores activations itself), group (several micro-batches per compute job) or "
                          "optimizer (AdamW on the compute thread), grads (vertical's optimizer steps from the gradient "
-                         "slot instead of a copy) or views (store-unit views made once, not per use)")
+                         "slot instead of a copy), views (store-unit views made once, not per use) or chunk (a capped "
+                         "SSD's transfers take their tokens in 1 MiB pieces, not all at once) or reads (those pieces and "
+                         "reads first, against whole transfers in the order they came)")
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")
     ap.add_argument("--op-cost-m", type=int, default=16, metavar="M", help="micro-batches for part 3")
-    ap.add_argument("--m", type=int, default=16, help="micro-batches for part 2")
+    ap.add_argument("--io-cost", default=None, metavar="MB/S,...",
+                    help="only part 4: what SSD traffic at these rates (MB/s, comma-separated) costs the "
+                         "PyTorch + checkpointing loop (--m, --micro-batch-size, --rounds)")
+    ap.add_argument("--io-op-mib", type=float, default=32, help="part 4's bytes per SSD operation (MiB)")
+    ap.add_argument("--m", type=int, default=16, help="micro-batches for parts 2 and 4")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="part 2's CPU memory budget")
     ap.add_argument("--cap-mb", type=float, default=CAP / 1e6, help="part 2's SSD cap (MB/s)")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="part 2's sequences per micro-batch")
@@ -327,7 +419,26 @@ def main() -> None:
         raise SystemExit("--m must be >= 1, --budget-mib and --cap-mb > 0")
     if args.micro_batch_size < 1 or (args.link_mb is not None and not args.link_mb > 0):
         raise SystemExit("--micro-batch-size must be >= 1 and --link-mb > 0 (MB/s)")
+    rates = []
+    if args.io_cost is not None:
+        try:
+            rates = [float(x) * 1e6 for x in args.io_cost.split(",")]
+        except ValueError:
+            rates = []
+        if not rates or not all(r > 0 for r in rates) or not args.io_op_mib > 0 or args.rounds < 1:
+            raise SystemExit(f"--io-cost {args.io_cost!r} must be rates in MB/s > 0, comma-separated (e.g. 150,300), "
+                             "--io-op-mib > 0 and --rounds >= 1")
     t0 = time.perf_counter()
+    if rates:
+        p4 = io_cost(args.rounds, rates, args.m, args.micro_batch_size, int(args.io_op_mib * 2**20) // 4096 * 4096)
+        for key, v in p4["summary"].items():
+            mc = v["machine_cores"]
+            print(f"{key:12s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f} (rounds "
+                  f"{', '.join(f'{x:.2f}' for x in v['slowdown_per_round'])})  I/O thread "
+                  f"{v['io_thread_cores']:.3f} of a core at {v['io_bytes_per_s'] / 1e6:.0f} MB/s; machine: system "
+                  f"{mc['system']:.3f}, steal {mc['steal']:.3f}, softirq {mc['softirq']:.3f} cores")
+        print(save("contention_io_cost", {"machine": machine(), "part4": p4, "seconds_total": time.perf_counter() - t0}))
+        return
     if args.op_cost:
         p3 = op_cost(args.op_cost, args.op_cost_m)
         s = p3["summary"]

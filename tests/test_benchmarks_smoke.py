@@ -241,3 +241,30 @@ def test_report_runs_has_one_row_per_run(capsys):
     kept = list(report.R.glob("throughput*.json")) + list((report.R / "logs").glob("throughput*.json"))
     assert len(kept) > 0
     assert sum(line.startswith("| throughput") for line in out.splitlines()) == len(kept)
+
+
+@pytest.mark.parametrize("kind", ["read", "write", "mixed"])
+def test_io_cost_side_thread_moves_ssd_traffic_at_its_rate(tmp_path, kind):
+    """contention.py --io-cost: the side thread moves bytes through snake's capped storage at
+    the rate asked for, and stops when told."""
+    import threading
+    import time
+
+    contention = importlib.import_module("contention")
+    stop, out, rate = threading.Event(), [], 32e6
+    side = threading.Thread(target=contention.io_burner, args=(kind, rate, 2**20, str(tmp_path / "io.bin"), stop, out))
+    side.start()
+    time.sleep(0.5)
+    stop.set()
+    side.join(timeout=5)
+    assert not side.is_alive() and len(out) == 1
+    # 4 MiB of first writes to make every slot readable, then ~0.5 s at the rate (+ its burst)
+    assert 0.3 * rate * 0.5 <= out[0]["bytes"] <= rate * 0.5 + 4 * 2**20, out
+
+
+def test_io_cost_flag_is_checked(monkeypatch):
+    contention = importlib.import_module("contention")
+    for bad in ("x", "150,-1", ""):
+        monkeypatch.setattr(sys, "argv", ["contention.py", "--io-cost", bad])
+        with pytest.raises(SystemExit, match="--io-cost .* must be rates in MB/s > 0"):
+            contention.main()
