@@ -398,7 +398,7 @@ def main() -> None:
                          "thread stores activations itself), group (several micro-batches per compute job) or "
                          "optimizer (AdamW on the compute thread), grads (vertical's optimizer steps from the gradient "
                          "slot instead of a copy), views (store-unit views made once, not per use) or chunk (a capped "
-                         "SSD's transfers take their tokens in 1 MiB pieces, not all at once) or reads (those pieces and "
+                         "SSD's transfers take their tokens in 4 MiB pieces, not all at once) or reads (those pieces and "
                          "reads first, against whole transfers in the order they came)")
     ap.add_argument("--op-cost", type=int, default=0, metavar="PAIRS",
                     help="only part 3: the CPU cost of one SSD operation, from this many alternating pairs")

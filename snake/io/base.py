@@ -96,13 +96,16 @@ class TokenBucket:
 class Throttled:
     """Wraps a StorageFile so that its transfers respect a TokenBucket.
 
-    A transfer moves in CHUNK-sized pieces, each taking its tokens just before it moves, and
-    a write's next piece waits while a read is in progress: a read issued while a large write
-    is in flight waits for one piece of it, not for all of it, and then has the bandwidth to
-    itself. (Taking a whole transfer's tokens at once made a 0.6 MB read wait ~70 ms behind a
-    10.8 MB write at 150 MB/s; BENCHMARKS.md section 14.)"""
+    A transfer takes its tokens in CHUNK-sized pieces, sleeping for each, and a write's next
+    piece waits while a read is in progress; the bytes then move in one system call. So a
+    read issued while a large write is waiting out its tokens waits for one piece of it, not
+    for all of it, and then has the bandwidth to itself, as a disk's I/O scheduler serves
+    reads first (work waits on them; a write only frees a buffer). Taking a whole transfer's
+    tokens at once made a 0.6 MB read wait ~70 ms behind a 10.8 MB write at 150 MB/s. Each
+    piece costs a sleep (~70 us of CPU on a 2-core VM) and moving the bytes in pieces as well
+    cost more again, hence pieces this large and one transfer (BENCHMARKS.md section 14)."""
 
-    CHUNK = 1 << 20  # a multiple of ALIGN
+    CHUNK = 4 << 20
 
     def __init__(self, inner: StorageFile, bucket: TokenBucket) -> None:
         self.inner = inner
@@ -110,19 +113,20 @@ class Throttled:
         self.path = inner.path
         self.backend = f"{inner.backend}+cap"
 
+    def _take(self, nbytes: int, *, write: bool) -> None:
+        for start in range(0, nbytes, self.CHUNK):
+            if write:
+                self.bucket.wait_for_reads()
+            self.bucket.consume(min(self.CHUNK, nbytes - start))
+
     def pread(self, buf: memoryview, offset: int) -> None:
         with self.bucket.reading():
-            for start in range(0, len(buf), self.CHUNK):
-                part = buf[start : start + self.CHUNK]
-                self.bucket.consume(len(part))
-                self.inner.pread(part, offset + start)
+            self._take(len(buf), write=False)
+            self.inner.pread(buf, offset)
 
     def pwrite(self, buf: memoryview, offset: int) -> None:
-        for start in range(0, len(buf), self.CHUNK):
-            part = buf[start : start + self.CHUNK]
-            self.bucket.wait_for_reads()
-            self.bucket.consume(len(part))
-            self.inner.pwrite(part, offset + start)
+        self._take(len(buf), write=True)
+        self.inner.pwrite(buf, offset)
 
     def close(self) -> None:
         self.inner.close()

@@ -70,27 +70,29 @@ def test_bandwidth_cap(tmp_path):
 
 
 def test_capped_read_goes_before_a_write_in_flight(tmp_path):
-    """Under the cap a read waits for one piece of a large write already moving, not for all
-    of it, and the two together still respect the cap."""
+    """Under the cap a read waits for one piece of a large write already waiting out its
+    tokens, not for all of it, and the two together still respect the cap."""
     import threading
 
-    rate = 16e6
-    f = open_storage(tmp_path / "x.bin", 9 * 2**20, bucket=TokenBucket(rate))
-    big, small = _buf(8 * 2**20, fill=2), _buf(256 * 1024)
+    from snake.io.base import Throttled
+
+    piece = Throttled.CHUNK
+    rate = 16 * piece  # a piece in 1/16 s, the write (8 pieces) in 0.5 s
+    f = open_storage(tmp_path / "x.bin", 9 * piece, bucket=TokenBucket(rate))
+    big, small = _buf(8 * piece, fill=2), _buf(64 * 1024)
     t0 = time.perf_counter()
-    writer = threading.Thread(target=f.pwrite, args=(big.memoryview(8 * 2**20), 0))
+    writer = threading.Thread(target=f.pwrite, args=(big.memoryview(8 * piece), 0))
     writer.start()
     time.sleep(0.05)
     r0 = time.perf_counter()
-    f.pread(small.memoryview(256 * 1024), 8 * 2**20)
+    f.pread(small.memoryview(64 * 1024), 8 * piece)
     read_s = time.perf_counter() - r0
     writer.join()
     total_s = time.perf_counter() - t0
     f.close()
-    # reads first: ~one 1 MiB piece (65 ms) + its own 256 KiB (16 ms); behind the whole
-    # write it would wait ~0.5 s
+    # reads first: at most one piece (62 ms) + its own 64 KiB; behind the whole write ~0.45 s
     assert read_s < 0.25, read_s
-    assert total_s >= 0.8 * (8 * 2**20 + 256 * 1024 - TokenBucket(rate).burst) / rate
+    assert total_s >= 0.8 * (8 * piece + 64 * 1024 - TokenBucket(rate).burst) / rate
 
 
 def test_capped_writes_wait_while_a_read_is_in_progress():
