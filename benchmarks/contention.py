@@ -9,6 +9,8 @@
         # part 2 only, in the link setting of BENCHMARKS.md section 10, inline stores on / off
     python benchmarks/contention.py --io-cost 150 --m 8 --micro-batch-size 2 --rounds 8
         # part 4 only, ~3 min: what SSD traffic at 150 MB/s costs the kernels (link setting, M = 8)
+    python benchmarks/contention.py --io-cost 150 --io-pieces-mib 0,4 --m 8 --micro-batch-size 2 --rounds 6
+        # the same with the capped storage's tokens taken whole and in 4 MiB pieces (~5 min)
 
 On a CPU device the compute kernels' OpenMP team (the compute thread and its workers) is
 the device, and snake's other threads (the event loop, copies, SSD I/O, the CPU optimizer)
@@ -339,18 +341,22 @@ def io_burner(kind: str, rate: float, op_bytes: int, path: str, stop: threading.
         f.close()
 
 
-def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int) -> dict:
+def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int, pieces: list[int] | None = None) -> dict:
     """Part 4: the PyTorch + checkpointing loop (8 x 512, `m` micro-batches of `mbs` x 32
     tokens, 4 iterations, 1 not timed) alone, and with a side thread moving SSD traffic at each
-    rate (read, write, mixed), in alternating rounds."""
+    rate (read, write, mixed), in alternating rounds. `pieces`: the capped storage's token
+    pieces to compare (bytes; 0: a whole transfer's tokens at once), the runtime's by default."""
     cfg = gpt_config(8, 512, 32)
     SCRATCH.mkdir(parents=True, exist_ok=True)
-    variants = [("none", 0.0)] + [(k, r) for r in rates for k in IO_KINDS]
-    rows: dict[str, list[dict]] = {f"{k}_{r / 1e6:g}" if r else k: [] for k, r in variants}
+    pieces = pieces or [CHUNK]
+    variants = [("none", 0.0, CHUNK)] + [(k, r, p) for r in rates for k in IO_KINDS for p in pieces]
+    rows: dict[str, list[dict]] = {
+        (f"{k}_{r / 1e6:g}" + (f"_p{p / 2**20:g}" if len(pieces) > 1 else "")) if r else k: [] for k, r, p in variants}
     on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=mbs, seq=32, steps=2,
                                  activation_checkpointing=True))  # the process's first loop pays its page faults
     for rnd in range(rounds):
-        for (kind, rate), key in (zip(variants, rows) if rnd % 2 == 0 else list(zip(variants, rows))[::-1]):
+        for (kind, rate, piece), key in (zip(variants, rows) if rnd % 2 == 0 else list(zip(variants, rows))[::-1]):
+            Throttled.CHUNK = piece or 1 << 62
             stop, out = threading.Event(), []
             with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
                 side = None if kind == "none" else threading.Thread(
@@ -370,6 +376,7 @@ def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int) ->
                               "machine_cores": stat_delta(st0, st1, wall),
                               "io_thread_cores": out[0]["cpu_s"] / wall if out else 0.0,
                               "io_bytes_per_s": out[0]["bytes"] / wall if out else 0.0})
+            Throttled.CHUNK = CHUNK
         print("part 4 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
     summary = {}
     for key, rs in rows.items():
@@ -381,7 +388,8 @@ def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int) ->
                         "io_bytes_per_s": statistics.median(r["io_bytes_per_s"] for r in rs),
                         "machine_cores": _median_fields([r["machine_cores"] for r in rs])}
     return {"model": f"GPT 8 x 512, {m} micro-batches of {mbs} x 32 tokens, PyTorch + checkpointing",
-            "op_bytes": op_bytes, "rates_bytes_per_s": rates, "rows": rows, "summary": summary}
+            "op_bytes": op_bytes, "rates_bytes_per_s": rates, "token_pieces_bytes": pieces, "rows": rows,
+            "summary": summary}
 
 
 def _median_fields(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -407,6 +415,9 @@ def main() -> None:
                     help="only part 4: what SSD traffic at these rates (MB/s, comma-separated) costs the "
                          "PyTorch + checkpointing loop (--m, --micro-batch-size, --rounds)")
     ap.add_argument("--io-op-mib", type=float, default=32, help="part 4's bytes per SSD operation (MiB)")
+    ap.add_argument("--io-pieces-mib", default=None, metavar="MIB,...",
+                    help="part 4: compare the capped storage taking its tokens in these pieces (MiB; 0: a whole "
+                         f"transfer's at once); default the runtime's {CHUNK >> 20} MiB only")
     ap.add_argument("--m", type=int, default=16, help="micro-batches for parts 2 and 4")
     ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="part 2's CPU memory budget")
     ap.add_argument("--cap-mb", type=float, default=CAP / 1e6, help="part 2's SSD cap (MB/s)")
@@ -419,7 +430,15 @@ def main() -> None:
         raise SystemExit("--m must be >= 1, --budget-mib and --cap-mb > 0")
     if args.micro_batch_size < 1 or (args.link_mb is not None and not args.link_mb > 0):
         raise SystemExit("--micro-batch-size must be >= 1 and --link-mb > 0 (MB/s)")
-    rates = []
+    rates, pieces = [], None
+    if args.io_pieces_mib is not None:
+        try:
+            pieces = [int(float(x) * 2**20) // 4096 * 4096 for x in args.io_pieces_mib.split(",")]
+        except ValueError:
+            pieces = [-1]
+        if not pieces or any(p < 0 for p in pieces) or args.io_cost is None:
+            raise SystemExit(f"--io-pieces-mib {args.io_pieces_mib!r} must be sizes in MiB >= 0 (0: whole transfers), "
+                             "comma-separated, with --io-cost")
     if args.io_cost is not None:
         try:
             rates = [float(x) * 1e6 for x in args.io_cost.split(",")]
@@ -430,7 +449,8 @@ def main() -> None:
                              "--io-op-mib > 0 and --rounds >= 1")
     t0 = time.perf_counter()
     if rates:
-        p4 = io_cost(args.rounds, rates, args.m, args.micro_batch_size, int(args.io_op_mib * 2**20) // 4096 * 4096)
+        p4 = io_cost(args.rounds, rates, args.m, args.micro_batch_size, int(args.io_op_mib * 2**20) // 4096 * 4096,
+                     pieces)
         for key, v in p4["summary"].items():
             mc = v["machine_cores"]
             print(f"{key:12s} {v['seconds']:.3f} s/it  slowdown {v['slowdown']:.3f} (rounds "

@@ -268,3 +268,7 @@ def test_io_cost_flag_is_checked(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["contention.py", "--io-cost", bad])
         with pytest.raises(SystemExit, match="--io-cost .* must be rates in MB/s > 0"):
             contention.main()
+    for argv in (["--io-cost", "150", "--io-pieces-mib", "-1"], ["--io-pieces-mib", "4"]):
+        monkeypatch.setattr(sys, "argv", ["contention.py", *argv])
+        with pytest.raises(SystemExit, match="--io-pieces-mib .* must be sizes in MiB >= 0 .* with --io-cost"):
+            contention.main()
