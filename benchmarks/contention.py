@@ -355,7 +355,8 @@ def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int, pi
     on_worker(lambda: torch_loop(cfg, micro_batches=m, micro_batch_size=mbs, seq=32, steps=2,
                                  activation_checkpointing=True))  # the process's first loop pays its page faults
     for rnd in range(rounds):
-        for (kind, rate, piece), key in (zip(variants, rows) if rnd % 2 == 0 else list(zip(variants, rows))[::-1]):
+        for (kind, rate, piece), key in (zip(variants, rows, strict=True) if rnd % 2 == 0
+                                         else list(zip(variants, rows, strict=True))[::-1]):
             Throttled.CHUNK = piece or 1 << 62
             stop, out = threading.Event(), []
             with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
