@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 from common import (  # type: ignore[import-not-found]
     SCRATCH,
@@ -341,6 +343,14 @@ def io_burner(kind: str, rate: float, op_bytes: int, path: str, stop: threading.
         f.close()
 
 
+@contextlib.contextmanager
+def _restore_chunk() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        Throttled.CHUNK = CHUNK
+
+
 def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int, pieces: list[int] | None = None) -> dict:
     """Part 4: the PyTorch + checkpointing loop (8 x 512, `m` micro-batches of `mbs` x 32
     tokens, 4 iterations, 1 not timed) alone, and with a side thread moving SSD traffic at each
@@ -359,7 +369,7 @@ def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int, pi
                                          else list(zip(variants, rows, strict=True))[::-1]):
             Throttled.CHUNK = piece or 1 << 62
             stop, out = threading.Event(), []
-            with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            with tempfile.TemporaryDirectory(dir=SCRATCH) as d, _restore_chunk():
                 side = None if kind == "none" else threading.Thread(
                     target=io_burner, args=(kind, rate, op_bytes, f"{d}/io.bin", stop, out))
                 if side:
@@ -377,7 +387,6 @@ def io_cost(rounds: int, rates: list[float], m: int, mbs: int, op_bytes: int, pi
                               "machine_cores": stat_delta(st0, st1, wall),
                               "io_thread_cores": out[0]["cpu_s"] / wall if out else 0.0,
                               "io_bytes_per_s": out[0]["bytes"] / wall if out else 0.0})
-            Throttled.CHUNK = CHUNK
         print("part 4 round", rnd, {k: round(v[-1]["seconds"], 3) for k, v in rows.items()}, flush=True)
     summary = {}
     for key, rs in rows.items():
@@ -445,9 +454,9 @@ def main() -> None:
             rates = [float(x) * 1e6 for x in args.io_cost.split(",")]
         except ValueError:
             rates = []
-        if not rates or not all(r > 0 for r in rates) or not args.io_op_mib > 0 or args.rounds < 1:
+        if not rates or not all(r > 0 for r in rates) or not args.io_op_mib * 2**20 >= 4096 or args.rounds < 1:
             raise SystemExit(f"--io-cost {args.io_cost!r} must be rates in MB/s > 0, comma-separated (e.g. 150,300), "
-                             "--io-op-mib > 0 and --rounds >= 1")
+                             "--io-op-mib at least 4 KiB (0.004) and --rounds >= 1")
     t0 = time.perf_counter()
     if rates:
         p4 = io_cost(args.rounds, rates, args.m, args.micro_batch_size, int(args.io_op_mib * 2**20) // 4096 * 4096,

@@ -264,9 +264,9 @@ def test_io_cost_side_thread_moves_ssd_traffic_at_its_rate(tmp_path, kind):
 
 def test_io_cost_flag_is_checked(monkeypatch):
     contention = importlib.import_module("contention")
-    for bad in ("x", "150,-1", ""):
-        monkeypatch.setattr(sys, "argv", ["contention.py", "--io-cost", bad])
-        with pytest.raises(SystemExit, match="--io-cost .* must be rates in MB/s > 0"):
+    for argv in (["--io-cost", "x"], ["--io-cost", "150,-1"], ["--io-cost", ""], ["--io-cost", "150", "--io-op-mib", "0.001"]):
+        monkeypatch.setattr(sys, "argv", ["contention.py", *argv])
+        with pytest.raises(SystemExit, match="--io-cost .* must be rates in MB/s > 0.*--io-op-mib at least 4 KiB"):
             contention.main()
     for argv in (["--io-cost", "150", "--io-pieces-mib", "-1"], ["--io-pieces-mib", "4"]):
         monkeypatch.setattr(sys, "argv", ["contention.py", *argv])
