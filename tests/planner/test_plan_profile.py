@@ -84,7 +84,9 @@ def test_block_probe_measures_again_while_the_backward_reads_zero(monkeypatch):
 
     monkeypatch.setattr(probes.statistics, "median", noisy_median)
     f, r, b = probes.block_seconds(TINY, 1, 16, torch.device("cpu"), torch.float32, 0.01)
-    assert calls["n"] == 9  # a third pass
+    # a third pass at least (its real timings of this tiny block may need a fourth on a loaded
+    # machine: a full-suite run in round 18 saw 12 calls once); whole passes only
+    assert calls["n"] >= 9 and calls["n"] % 3 == 0, calls
     assert 0 < f <= r and b > 0
 
 
