@@ -73,11 +73,14 @@ class Engine:
         self.dtype = k.dtype
         self.stages = build_schedule(self.N, self.M, config.schedule)
         self.S = len(self.stages)
-        self.plans = Plans(self.stages, self.N, delayed=self.alpha > 0)
+        # elements of each layer's now-step and delayed step: an alpha so small (or so near
+        # 1) that a part would round to no elements at all delays none (or all but one)
+        n_delayed = min(int(round(self.alpha * self.P)), self.P - 1)
+        self.part_sizes = (self.P - n_delayed, n_delayed)
+        self.plans = Plans(self.stages, self.N, delayed=n_delayed > 0)
         self.ckpt_shape = ckpt_shape
         self.input_shape = input_shape
         self.ckpt_elems = int(torch.Size(ckpt_shape).numel())
-        self.part_sizes = (self.P - int(round(self.alpha * self.P)), int(round(self.alpha * self.P)))
         self.next_t = 0  # next iteration to run
         self.first_delayed = 0  # delayed steps are due from this iteration on
         self.failed = False
@@ -230,7 +233,7 @@ class Engine:
             "param_out": host_pool("param_out", st["param"], self.workers),
             "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_in_extra),
             "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_out_extra),
-            "opt": host_pool("opt", st["opt"], self.workers + sizes.opt_tails_extra),
+            "opt": host_pool("opt", st["opt"], sizes.opt_tails(self.workers, self.part_sizes[1] > 0)),
         }
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(
             "device_params",

@@ -42,9 +42,17 @@ class PoolSizes:
     param_tails: int = 3
     ckpt_in_extra: int = 1  # backward ckpt reads: micro_batches + this tail buffers
     ckpt_out_extra: int = 2  # ckpt writes (and their hand-on to the next forward stage)
-    opt_tails_extra: int = 1  # opt tail buffers = optimizer workers + this
+    opt_tails_extra: int = 1  # opt tail buffers = optimizer workers + this (see opt_tails)
     grad_buffers: int = 2  # vertical: whole-layer fp32 gradient buffers in flight
     device_param_slots: int = 2
+
+    def opt_tails(self, workers: int, delayed: bool) -> int:
+        """Optimizer-state tail buffers: one per worker and a spare, and with delayed steps
+        at least three. At an iteration's turn the SSD reader takes buffers in plan order
+        for layer 0's now-step (the backward's last) and the next iteration's first delayed
+        steps, ahead of the checkpoint read that layer's backward needs; with one worker and two buffers the
+        third read waited for a buffer only that backward's step would free (a deadlock)."""
+        return max(workers + self.opt_tails_extra, 3 if delayed else 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,7 +103,7 @@ def host_memory(
     # two pools (reads, writes), each of (a layer's units on SSD <= (1 - share) n_micro + 1)
     # + its extra whole units
     ckpt_fixed = 0 if ckpt_in_cpu else 2 * (n_micro + 1) + pools.ckpt_in_extra + pools.ckpt_out_extra
-    opt_pool = workers + pools.opt_tails_extra
+    opt_pool = pools.opt_tails(workers, alpha > 0)
     per_share: dict[str, float] = {
         "param": param_total - param_pool * param_unit,
         "ckpt": ckpt_total - (0 if ckpt_in_cpu else 2 * n_micro * ckpt_unit),

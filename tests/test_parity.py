@@ -119,3 +119,32 @@ async def test_each_storage_backend_matches_plain_pytorch(tmp_path, backend, use
         got = await trainer.state_dict()
     assert set(backends.values()) == {used}, backends
     assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_one_optimizer_worker_with_delay_and_everything_on_ssd(tmp_path, schedule):
+    """With one optimizer worker, delayed steps and checkpoints and optimizer states on SSD,
+    the optimizer-state reads at an iteration's turn once took every staging buffer ahead of
+    the checkpoint read layer 0's backward needed, and the run hung in its second iteration
+    (snake.memory.PoolSizes.opt_tails)."""
+    model = tiny_gpt(n_layer=2, n_embd=32, bias=False)
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    got, _, _ = await train(model, data, 3, micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(),
+                            alpha=0.3, schedule=schedule, optimizer_workers=1, stall_timeout_s=20)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("alpha", [1e-5, 0.99999])
+async def test_alpha_that_rounds_a_part_to_nothing(tmp_path, alpha):
+    """alpha x (a layer's 12k parameters) rounds to 0 delayed elements, or to all of them:
+    nothing is delayed, or all but one element, and the weights are plain PyTorch's (both
+    once failed with a KeyError for the empty part's store unit)."""
+    model = tiny_gpt(n_layer=2, n_embd=32, bias=False)
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    got, _, _ = await train(model, data, 3, micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(),
+                            alpha=alpha)
+    assert_close_state(got, want)
