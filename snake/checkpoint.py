@@ -43,7 +43,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from snake.actors.optimizer import flush_delayed
 from snake.adapters import ModelParts, block_param_names, resident_named_params
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import alloc_host
@@ -89,11 +88,11 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
     if trainer._running:
         raise SnakeError("save: a run() or load() of this trainer is in progress; await it before saving")
     target = _resolve(directory)
-    trainer._running = True
+    trainer._begin()
     try:
         e = trainer.engine
         if e is not None:
-            await run_blocking(e.executors["io"], flush_delayed, e)
+            await trainer._flush("save")
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -107,7 +106,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
         work = functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target)
         await _blocking(e, work)
     finally:
-        trainer._running = False
+        trainer._end()
     return target
 
 
@@ -126,7 +125,7 @@ async def load_checkpoint(
             "load() before run()"
         )
     target = _resolve(directory)
-    trainer._running = True
+    trainer._begin()
     try:
         manifest = await _blocking(None, functools.partial(read_manifest, target))
         check_compatible(manifest, trainer.config, trainer.parts)
@@ -139,7 +138,7 @@ async def load_checkpoint(
             await trainer._shutdown()
             raise
     finally:
-        trainer._running = False
+        trainer._end()
 
 
 async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool) -> None:

@@ -83,6 +83,7 @@ class Engine:
         self.ckpt_elems = int(torch.Size(ckpt_shape).numel())
         self.next_t = 0  # next iteration to run
         self.first_delayed = 0  # delayed steps are due from this iteration on
+        self.flush_partial = False  # flush_delayed stopped with some layers stepped, some not
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None
@@ -112,9 +113,22 @@ class Engine:
             )
         except BaseException:
             self.close_files()
+            self.kernels.restore_modes()
             raise
-        self._make_pools()
-        self._make_grads()
+        try:
+            self._make_pools()
+            self._make_grads()
+            self._make_executors(device, config, data_executor)
+        except BaseException:  # e.g. no memory for the pools: close what was opened
+            for name, ex in getattr(self, "executors", {}).items():
+                if name != "data":  # the trainer's, and this runs on its thread
+                    ex.shutdown(wait=False)
+            self.close_files()
+            self.kernels.restore_modes()
+            raise
+        self.marks = stream_marks(device)
+
+    def _make_executors(self, device: torch.device, config: SnakeConfig, data_executor: ThreadPoolExecutor) -> None:
         init = helper_thread_init(device)  # on a CPU device: one intra-op thread outside compute
         copy = ThreadPoolExecutor(1, thread_name_prefix="snake-copy", initializer=init)
         compute = ThreadPoolExecutor(1, thread_name_prefix="snake-compute", initializer=name_native_thread)
@@ -135,7 +149,6 @@ class Engine:
             # waits for the compute stream's marks (CUDA; no thread starts until first used)
             "sync": ThreadPoolExecutor(1, thread_name_prefix="snake-sync", initializer=init),
         }
-        self.marks = stream_marks(device)
 
     def optimizer_runs_on_compute(self) -> bool:
         """On a CPU device AdamW runs on the compute thread, between jobs and on every core.
@@ -377,6 +390,7 @@ class Engine:
     def close(self) -> None:
         self.shutdown_executors()
         self.close_files()
+        self.kernels.restore_modes()
 
     def offload_bytes(self) -> int:
         return sum(s.file_bytes for s in self.stores.values())

@@ -72,6 +72,9 @@ class Kernels:
         self.layer_params = sum(self.block_numels)
         # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
         model = parts.model
+        # training mode for pre/post (dropout) while the engine lives; the user's modes come
+        # back at close (restore_modes)
+        self.user_modes = [(mod, mod.training) for mod in model.modules()]
         model.train()
         self.pre_mod = _Call(model, parts.pre)
         self.post_mod = _Call(model, parts.post)
@@ -91,6 +94,11 @@ class Kernels:
             for n, b in model.named_buffers()
             if not n.startswith(prefix)
         }
+
+    def restore_modes(self) -> None:
+        """Put the user's model back in the train/eval modes it had when the engine was built."""
+        for mod, training in self.user_modes:
+            mod.training = training
 
     # -- helpers ----------------------------------------------------------------------
     def seed_for(self, t: int, layer: int, m: int) -> int:

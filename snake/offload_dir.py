@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from snake.errors import ConfigError
@@ -47,14 +48,15 @@ class DirLock:
     """An exclusive flock on `<dir>/.snake.lock`, held for the trainer's life."""
 
     def __init__(self, directory: Path) -> None:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        self._fd = -1
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # a directory already there keeps its mode
         self.path = directory / ".snake.lock"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
+            self._fd = -1
             raise ConfigError(
                 "offload_dir", str(directory), "is in use by another snake trainer",
                 "give each trainer its own offload_dir, or close the other one first",
@@ -65,3 +67,13 @@ class DirLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # a trainer dropped without close(): free the directory for the next one, and say so
+        if getattr(self, "_fd", -1) >= 0:
+            warnings.warn(
+                f"snake: a trainer's lock on {self.path.parent} was never released: close the "
+                "SnakeTrainer (async with, or await close()); released now",
+                ResourceWarning, stacklevel=2,
+            )
+            self.release()

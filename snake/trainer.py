@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,7 @@ from torch import nn
 from snake.actors.compute import StepReport
 from snake.actors.optimizer import flush_delayed
 from snake.adapters import ModelParts, block_param_names, describe
-from snake.blocking import run_blocking
+from snake.blocking import run_blocking, settle
 from snake.config import SnakeConfig
 from snake.data import DataSource, split_batch
 from snake.device import helper_thread_init, resolve_device
@@ -47,16 +49,20 @@ class SnakeTrainer:
     """Trains `model` on `data` with `config`. `await run(steps)`; `run` again continues.
 
     After a failure or a cancellation inside `run()` the trainer is closed: its in-memory
-    state is part-way through an iteration. Start a new trainer (from a checkpoint)."""
+    state is part-way through an iteration. Start a new trainer (from a checkpoint).
+    `close()` while a `run()`, `save()` or `load()` is in progress cancels the task awaiting
+    it, waits for it to stop, then closes. The trainer runs in the event loop of its first
+    `run()`; call it from that loop (`save()` and `state_dict()` work from any loop)."""
 
     def __init__(self, model: nn.Module | ModelParts, *, data: Any, config: SnakeConfig) -> None:
         if not isinstance(config, SnakeConfig):
             raise ConfigError("config", type(config).__name__, "must be a snake.SnakeConfig")
         self.config = config
         self.device = resolve_device(config.device)
-        self.offload_dir = check_offload_dir(config.offload_dir)
         self.parts = describe(model)
         self.source = DataSource(data)
+        # last: it creates the directory, which a bad model or data should not leave behind
+        self.offload_dir = check_offload_dir(config.offload_dir)
         self.trace = Tracer()
         self.engine: Engine | None = None
         self._lock: DirLock | None = None
@@ -64,6 +70,8 @@ class SnakeTrainer:
         self._closed = False
         self._broken: str | None = None
         self._running = False
+        self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the engine's queues belong to
 
     async def __aenter__(self) -> SnakeTrainer:
         return self
@@ -77,10 +85,17 @@ class SnakeTrainer:
         event loop with each step's report as it finishes (keep it quick)."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError("steps", steps, "must be an integer >= 1")
+        _check_on_step(on_step)
         self._check_usable()
         if self._running:
             raise SnakeError("run: this trainer is already running; await the first run() before the next")
-        self._running = True
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            raise SnakeError(
+                "run: this trainer was set up in another event loop, which its queues belong to; "
+                "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
+                "or save() a checkpoint and load() it into a new trainer in this loop"
+            )
+        self._begin()
         try:
             if self.engine is None:
                 await self._setup()
@@ -94,7 +109,7 @@ class SnakeTrainer:
                 await self._shutdown()
             raise
         finally:
-            self._running = False
+            self._end()
         return RunReport(reports, self.engine.traffic.last())
 
     def traffic(self) -> dict[tuple[str, str, str], int]:
@@ -111,7 +126,7 @@ class SnakeTrainer:
                 return await run_blocking(once, self._initial_state_dict)
         e = self.engine
         ex = e.executors["io"]
-        await run_blocking(ex, flush_delayed, e)
+        await self._flush("state_dict")
         # assembled off the event loop: large copies on its thread would give it an OpenMP
         # team that slows a CPU device's kernels for the rest of the run
         return await run_blocking(ex, self._assemble_state_dict, e)
@@ -167,13 +182,43 @@ class SnakeTrainer:
         await load_checkpoint(self, directory, skip_data=skip_data)
 
     async def close(self) -> None:
-        """Stop threads, close files, release the offload_dir lock. Idempotent."""
+        """Stop threads, close files, release the offload_dir lock. Idempotent. A run(),
+        save() or load() in progress is cancelled (its task) and waited for first."""
         if self._closed:
             return
         self._closed = True
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
         await self._shutdown()
 
     # -- internals --------------------------------------------------------------------
+    def _begin(self) -> None:
+        """A run(), save() or load() starts: no other may until `_end`."""
+        self._running = True
+        self._task = asyncio.current_task()
+
+    def _end(self) -> None:
+        self._running = False
+        self._task = None
+
+    async def _flush(self, what: str) -> None:
+        """Apply the pending delayed optimizer steps (state_dict, save). They update the CPU
+        copies layer by layer in place: one that stops part-way (an I/O error) leaves the
+        finished layers stepped and the rest not, and a retry would step those twice, so
+        then the trainer is closed. One that fails before it changed anything (the first
+        layer's read) can be retried."""
+        e = self.engine
+        assert e is not None
+        try:
+            await run_blocking(e.executors["io"], flush_delayed, e)
+        except BaseException as exc:
+            if e.flush_partial:  # some layers stepped, some not
+                self._broken = f"{what} failed applying the delayed optimizer steps: {type(exc).__name__}: {exc}"
+                await self._shutdown()
+            raise
+
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise SnakeError(
@@ -216,14 +261,24 @@ class SnakeTrainer:
         self._lock = DirLock(self.offload_dir)
         self.config = cfg
         data_ex = self._data_ex
-        engine = await run_blocking(
+        built = asyncio.get_running_loop().run_in_executor(
             data_ex,
             lambda: Engine(
                 self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=first[0].shape,
                 offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex,
             ),
         )
+        try:
+            engine = await asyncio.shield(built)
+        except asyncio.CancelledError:
+            # cancelled while the engine was being built: it finishes (its thread cannot be
+            # interrupted) and is closed here, or its files would stay open
+            await settle(built)
+            if not built.cancelled() and built.exception() is None:
+                built.result().close()
+            raise
         self.engine = engine
+        self._loop = asyncio.get_running_loop()
         await run_blocking(engine.executors["io"], engine.load_initial_weights)
         log.info(
             "snake: %d blocks x %d params, M=%d, alpha=%s, placement=%s, %s on %s, offload %.1f MiB in %s",
@@ -250,6 +305,7 @@ class SnakeTrainer:
 
     async def _shutdown(self) -> None:
         e, self.engine = self.engine, None
+        self._loop = None
         if e is not None:
             e.close()  # joins executor threads: quick, their work was awaited or is done
         elif self._data_ex is not None:
@@ -259,3 +315,15 @@ class SnakeTrainer:
             self._lock.release()
             self._lock = None
 
+
+
+def _check_on_step(on_step: object) -> None:
+    if on_step is None:
+        return
+    if not callable(on_step):
+        raise ConfigError("on_step", on_step, "must be a function taking a StepReport, or None")
+    if inspect.iscoroutinefunction(on_step) or inspect.iscoroutinefunction(type(on_step).__call__):
+        raise ConfigError(
+            "on_step", on_step, "is a coroutine function, which the trainer would call without awaiting",
+            "pass a plain function; to do async work, start it there with asyncio.create_task",
+        )

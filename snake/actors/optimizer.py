@@ -152,6 +152,7 @@ def flush_delayed(e: Engine) -> None:
     if not e.plans.has_delayed(t, e.first_delayed):
         return
     ostore, pstore = e.stores["opt"], e.stores["param"]
+    e.flush_partial = False  # no layer changed yet: a failure here can be retried
     obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
     pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
     n_now = e.part_sizes[NOW]
@@ -160,6 +161,7 @@ def flush_delayed(e: Engine) -> None:
         ou, pu = ostore.unit((layer, 1)), pstore.unit((layer, 1))
         if ou.tail_n:
             ostore.read_tail(ou, obuf)
+        e.flush_partial = True  # from here the CPU copies change in place
         step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t)
         if ou.tail_n:
             ostore.write_tail(ou, obuf)
@@ -168,6 +170,7 @@ def flush_delayed(e: Engine) -> None:
         e.ledger.set(("opt", layer, 1), t)
         e.ledger.set(("param", layer, 1), t)
     e.first_delayed = t + 1
+    e.flush_partial = False
 
 
 def _aligned(runs: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
 from pathlib import Path
 
 from snake.errors import StorageError
@@ -26,6 +27,7 @@ class PosixFile:
                 os.posix_fallocate(self._fd, 0, nbytes)
         except OSError as e:
             os.close(self._fd)
+            self._fd = -1
             if e.errno == errno.ENOSPC:
                 raise StorageError(
                     e.errno,
@@ -77,6 +79,11 @@ class PosixFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            warnings.warn(f"snake: {self.path} was never closed; closed now", ResourceWarning, stacklevel=2)
+            self.close()
 
 
 def o_direct_works(directory: Path) -> bool:
