@@ -83,8 +83,17 @@ def _try_hf(model: nn.Module) -> ModelParts | None:
 
 
 def check_parts(parts: ModelParts) -> None:
+    """ModelError, before anything is built, for a model snake would run wrongly: the
+    message names the part (block, parameter, buffer) and what to change."""
     if not isinstance(parts.model, nn.Module):
         raise ModelError(f"model: expected a torch.nn.Module, got {type(parts.model).__name__}")
+    for attr in ("pre", "post", "block_fn"):
+        fn = getattr(parts, attr)
+        if not callable(fn):
+            raise ModelError(
+                f"model: ModelParts.{attr} must be a function ({attr}(model, tensor) -> tensor), "
+                f"got {type(fn).__name__}"
+            )
     blocks = list(parts.blocks)
     if not blocks:
         raise ModelError("model: no blocks found; a model needs at least one block to stream")
@@ -103,6 +112,84 @@ def check_parts(parts: ModelParts) -> None:
             raise ModelError(
                 f"model: block {i} is not the submodule '{parts.blocks_prefix}.{i}'; "
                 "set blocks_prefix so that blocks are model.<prefix>.<i>"
+            )
+    _check_devices(parts.model)
+    _check_trainable(parts.model)
+    _check_ties(parts)
+    _check_block_buffers(blocks)
+
+
+def _check_devices(model: nn.Module) -> None:
+    """Real weights on one device: snake copies them to its tiers and the compute device."""
+    devices: dict[torch.device, str] = {}
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ModelError(
+                    f"model: {kind} {name!r} is on the meta device (a shape without data); "
+                    "materialize the weights first, e.g. model.to_empty(device='cpu') and then "
+                    "load_state_dict(...) or re-initialise them"
+                )
+            if kind == "parameter":
+                devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        where = ", ".join(f"{n!r} on {d}" for d, n in devices.items())
+        raise ModelError(
+            f"model: parameters are on several devices ({where}); move the whole model to one "
+            "device first, e.g. model.to('cpu'): snake places the weights itself"
+        )
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """snake's optimizer steps every parameter: a frozen one would change silently."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            raise ModelError(
+                f"model: parameter {name!r} has requires_grad=False, but snake trains every "
+                "parameter of the model it is given (AdamW would change it): set "
+                "requires_grad=True, or leave the frozen parts out of the model given to snake "
+                "(e.g. pass snake.ModelParts over a module that holds only the trained part)"
+            )
+
+
+def _check_ties(parts: ModelParts) -> None:
+    """A tensor shared between two blocks, or between a block and pre/post, would be
+    untied: each block's weights are streamed and stepped on their own. Ties inside one
+    block and between pre and post are fine."""
+    prefix = parts.blocks_prefix + "."
+    owners: dict[int, tuple[str, str]] = {}  # id -> (owner, first name)
+    for name, p in parts.model.named_parameters(remove_duplicate=False):
+        owner = ("block " + name[len(prefix) :].split(".", 1)[0]) if name.startswith(prefix) else "pre/post"
+        first = owners.setdefault(id(p), (owner, name))
+        if first[0] != owner:
+            raise ModelError(
+                f"model: parameter {name!r} is the same tensor as {first[1]!r} ({owner} and "
+                f"{first[0]}); snake streams and steps each block's weights on their own and "
+                "would untie them: give each block its own parameter (tied weights must live in "
+                "pre/post, outside the blocks)"
+            )
+
+
+def _check_block_buffers(blocks: list[nn.Module]) -> None:
+    """Every layer runs with block 0's buffers (one shell block; only parameters stream),
+    so the blocks' buffers must be equal."""
+    buf0 = dict(blocks[0].named_buffers())
+    for i, b in enumerate(blocks[1:], start=1):
+        bufs = dict(b.named_buffers())
+        for name in sorted(buf0.keys() | bufs.keys()):
+            x, y = buf0.get(name), bufs.get(name)
+            if x is None or y is None:
+                how = "block 0 has no such buffer" if x is None else f"block {i} has no such buffer"
+            elif x.shape != y.shape or x.dtype != y.dtype:
+                how = f"{tuple(y.shape)} {y.dtype} vs block 0's {tuple(x.shape)} {x.dtype}"
+            elif not torch.equal(x, y):
+                how = "its values differ from block 0's"
+            else:
+                continue
+            raise ModelError(
+                f"model: block {i}'s buffer {name!r} differs from block 0's ({how}); snake runs "
+                "every layer with block 0's buffers and streams only parameters: give every "
+                f"block the same {name!r}, or make it an nn.Parameter (then trained per block)"
             )
 
 

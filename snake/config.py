@@ -20,8 +20,22 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Schedule = Literal["vertical", "horizontal"]
 
 
+MAX_IO_THREADS = 64
+MIN_SSD_BANDWIDTH = 1_000_000  # bytes/s: a cap below 1 MB/s makes setup's first writes take hours
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range for a non-negative seed
+
+
+def _number(value: object) -> bool:
+    """An int or a float, not a bool (True is an int to Python, not a number to a user)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _share(name: str, value: float) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    if not _finite(value):
         raise ConfigError(name, value, "must be a number in [0, 1]", "CPU share; the rest goes to SSD")
     if not 0.0 <= value <= 1.0:
         raise ConfigError(name, value, "must be in [0, 1]", "CPU share; the rest goes to SSD")
@@ -62,18 +76,18 @@ class AdamW:
     weight_decay: float = 1e-2
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr >= 0):
+        if not (_finite(self.lr) and self.lr >= 0):
             raise ConfigError("optimizer.lr", self.lr, "must be a finite number >= 0")
         if (
             not isinstance(self.betas, tuple | list)
             or len(self.betas) != 2
-            or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in self.betas)
+            or not all(_number(b) and 0.0 <= b < 1.0 for b in self.betas)
         ):
             raise ConfigError("optimizer.betas", self.betas, "must be two numbers in [0, 1)")
-        if not (isinstance(self.eps, int | float) and self.eps > 0):
-            raise ConfigError("optimizer.eps", self.eps, "must be > 0")
-        if not (isinstance(self.weight_decay, int | float) and self.weight_decay >= 0):
-            raise ConfigError("optimizer.weight_decay", self.weight_decay, "must be >= 0")
+        if not (_finite(self.eps) and self.eps > 0):
+            raise ConfigError("optimizer.eps", self.eps, "must be a finite number > 0", "torch's default is 1e-8")
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError("optimizer.weight_decay", self.weight_decay, "must be a finite number >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,8 +102,11 @@ class SnakeConfig:
     dtype: compute dtype; master weights and gradient accumulation are fp32.
     device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
     schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
-    cpu_memory_bytes / device_memory_bytes: budgets; None: what the machine has.
-    ssd_bandwidth_bytes_per_s: cap on SSD reads+writes (token bucket), for experiments.
+    cpu_memory_bytes / device_memory_bytes: memory budgets for the planner; None: what the
+        machine has. Only the planner reads them, when any of micro_batches / placement /
+        alpha is None; a fixed plan (all three given) is not checked against them.
+    ssd_bandwidth_bytes_per_s: cap on SSD reads+writes (token bucket), for experiments; at
+        least 1 MB/s; None: no cap.
     device_link_bytes_per_s: cap on host<->device transfers, each direction its own token
         bucket (a full-duplex PCIe link), for experiments: on a CPU device it charges the
         bytes a GPU would move, also where the CPU run moves none (a view of host memory).
@@ -113,6 +130,7 @@ class SnakeConfig:
     device: str | None = None
     schedule: Schedule = "vertical"
     seed: int = 0
+    # planner budgets only: not enforced when micro_batches, placement and alpha are all given
     cpu_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
     ssd_bandwidth_bytes_per_s: float | None = None
@@ -144,34 +162,45 @@ class SnakeConfig:
             raise ConfigError("schedule", self.schedule, f"must be one of {SCHEDULES}")
         if self.device is not None:
             d = self.device
-            if not isinstance(d, str) or not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+            if not isinstance(d, str) or not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isascii() and d[5:].isdigit())):
                 raise ConfigError("device", d, "must be 'cpu', 'cuda' or 'cuda:N'", "None picks CUDA if present, else CPU")
-        if not isinstance(self.seed, int):
-            raise ConfigError("seed", self.seed, "must be an integer")
+        seed = self.seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+            raise ConfigError("seed", seed, f"must be an integer in [0, 2**63 - 1 = {MAX_SEED}]", "torch.manual_seed's range")
         for name in ("cpu_memory_bytes", "device_memory_bytes"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ConfigError(name, v, "must be a positive number of bytes or None")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(name, v, "must be a positive integer number of bytes or None")
         bw = self.ssd_bandwidth_bytes_per_s
-        if bw is not None and (not isinstance(bw, int | float) or not bw > 0):
-            raise ConfigError("ssd_bandwidth_bytes_per_s", bw, "must be > 0 bytes/s or None (no cap)")
+        if bw is not None and not _finite(bw):
+            raise ConfigError("ssd_bandwidth_bytes_per_s", bw, "must be a finite number of bytes/s", "use None for no cap")
+        if bw is not None and not bw >= MIN_SSD_BANDWIDTH:
+            raise ConfigError(
+                "ssd_bandwidth_bytes_per_s", bw, f"must be >= {MIN_SSD_BANDWIDTH} bytes/s (1 MB/s)",
+                "a lower cap makes setup's first writes take hours; use None for no cap",
+            )
         link = self.device_link_bytes_per_s
         if link is not None and (
             not isinstance(link, int | float) or isinstance(link, bool) or not math.isfinite(link) or not link > 0
         ):
             raise ConfigError("device_link_bytes_per_s", link, "must be > 0 bytes/s or None (no cap)")
-        if not (isinstance(self.loss_scale, int | float) and self.loss_scale > 0):
-            raise ConfigError("loss_scale", self.loss_scale, "must be > 0")
+        if not (_finite(self.loss_scale) and self.loss_scale > 0):
+            raise ConfigError("loss_scale", self.loss_scale, "must be a finite number > 0", "float16's static loss scale, e.g. 1024")
         st = self.stall_timeout_s
-        if st is not None and (not isinstance(st, int | float) or not st > 0):
+        if st is not None and (not _number(st) or not st > 0):
             raise ConfigError("stall_timeout_s", st, "must be > 0 seconds or None (no watchdog)")
         if self.storage_backend not in STORAGE_BACKENDS:
             raise ConfigError("storage_backend", self.storage_backend, f"must be one of {STORAGE_BACKENDS}",
                               "'auto' picks the best one this machine has")
         for name in ("optimizer_workers", "io_threads"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(name, v, "must be an integer >= 1")
+        if self.io_threads > MAX_IO_THREADS:
+            raise ConfigError(
+                "io_threads", self.io_threads, f"must be <= {MAX_IO_THREADS}",
+                "more threads do not make one SSD faster; 2 to 8 is typical",
+            )
 
 
 def tiny_cpu(offload_dir: str | Path) -> SnakeConfig:

@@ -77,15 +77,32 @@ def split_batch(
             raise DataError(
                 f"data: batch {name} are on {x.device}; give CPU tensors (or tensors on the training device {device})"
             )
-        if x.dim() < 1:
-            raise DataError(f"data: batch {name} must have a batch dimension, got a scalar")
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise DataError(f"data: batch {name} contains NaN or inf")
-    if targets.dtype != torch.long:
-        raise DataError(f"data: targets must be int64 token ids (torch.long), got {targets.dtype}")
-    if inputs.shape[0] != targets.shape[0]:
+    if inputs.dtype not in (torch.long, torch.int32):
         raise DataError(
-            f"data: inputs and targets disagree on the batch size: {inputs.shape[0]} vs {targets.shape[0]}"
+            f"data: inputs must be integer token ids (int64 or int32) of shape (batch, seq), got {inputs.dtype}; "
+            "convert them with .long()"
+        )
+    if targets.dtype != torch.long:
+        raise DataError(
+            f"data: targets must be int64 token ids (torch.long) of shape (batch, seq), got {targets.dtype}; "
+            "convert them with .long()"
+        )
+    if inputs.dim() != 2:
+        raise DataError(
+            f"data: batch inputs must have shape (batch, seq), got {tuple(inputs.shape)}; "
+            "a single sequence needs a batch dimension: x[None]"
+        )
+    if targets.shape != inputs.shape:
+        raise DataError(
+            f"data: inputs and targets disagree in shape: {tuple(inputs.shape)} vs {tuple(targets.shape)}; "
+            "targets must have the inputs' shape (batch, seq): the next token for each input token"
+        )
+    if inputs.numel() == 0:
+        raise DataError(
+            f"data: batch has 0 tokens (inputs shape {tuple(inputs.shape)}); "
+            "give batches with at least one row and one token per row"
         )
     b = inputs.shape[0]
     if b % micro_batches:
@@ -98,7 +115,7 @@ def split_batch(
             f"data: batch inputs have shape {tuple(inputs.shape)} but the first batch had "
             f"{tuple(expect_shape)}; snake sizes its buffers from the first batch, keep shapes fixed"
         )
-    if vocab_size is not None and not inputs.is_floating_point() and inputs.numel():
+    if vocab_size is not None:
         lo, hi = int(inputs.min()), int(inputs.max())
         if lo < 0 or hi >= vocab_size:
             raise DataError(f"data: token ids must be in [0, {vocab_size}), got min {lo}, max {hi}")

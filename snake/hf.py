@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from snake.adapters import ModelParts
-from snake.errors import ModelError
+from snake.errors import DataError, ModelError
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
 
@@ -87,8 +87,14 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
         )
     impl = _attn_impl(model)
     masks = _MaskCache(impl, window=None)
+    n_positions = int(config.n_positions)
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[-1] > n_positions:  # learned absolute positions: no row beyond the table
+            raise DataError(
+                f"data: sequence length {idx.shape[-1]} exceeds the model's n_positions={n_positions} "
+                "(GPT-2's learned positions); give batches of at most n_positions tokens per row"
+            )
         t = m.transformer
         pos = torch.arange(idx.shape[-1], device=idx.device)
         return t.drop(t.wte(idx) + t.wpe(pos)[None])

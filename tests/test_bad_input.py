@@ -28,6 +28,19 @@ from tests.helpers import batches, tiny_gpt
         (dict(optimizer_workers=0), "optimizer_workers"),
         (dict(offload_dir=""), "offload_dir"),
         (dict(storage_backend="gds"), "storage_backend"),
+        # bools are not numbers, infinities are not finite, and each range has a bound
+        (dict(seed=True), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**63), "seed"),
+        (dict(optimizer_workers=True), "optimizer_workers"),
+        (dict(io_threads=True), "io_threads"),
+        (dict(cpu_memory_bytes=True), "cpu_memory_bytes"),
+        (dict(device_memory_bytes=True), "device_memory_bytes"),
+        (dict(ssd_bandwidth_bytes_per_s=True), "ssd_bandwidth_bytes_per_s"),
+        (dict(loss_scale=True), "loss_scale"),
+        (dict(loss_scale=float("inf")), "loss_scale"),
+        (dict(stall_timeout_s=True), "stall_timeout_s"),
+        (dict(device="cuda:\u0663"), "device"),  # an Arabic-Indic digit: str.isdigit() says yes
     ],
 )
 def test_config_fields(tmp_path, changes, field):
@@ -39,13 +52,43 @@ def test_config_fields(tmp_path, changes, field):
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(io_threads=65), r"io_threads=65 must be <= 64"),
+        (dict(ssd_bandwidth_bytes_per_s=float("inf")), r"ssd_bandwidth_bytes_per_s=inf .*use None for no cap"),
+        (dict(ssd_bandwidth_bytes_per_s=1000), r"ssd_bandwidth_bytes_per_s=1000 must be >= 1000000 bytes/s \(1 MB/s\)"),
+        (dict(seed=2**70), r"seed=\d+ must be an integer in \[0, 2\*\*63 - 1"),
+    ],
+)
+def test_config_bounds_say_the_rule(tmp_path, changes, match):
+    with pytest.raises(ConfigError, match=match):
+        SnakeConfig(offload_dir=tmp_path, **changes)
+
+
+def test_config_edges_still_accepted(tmp_path):
+    SnakeConfig(offload_dir=tmp_path, seed=2**63 - 1, io_threads=64, ssd_bandwidth_bytes_per_s=1e6, device="cuda:12")
+
+
 @pytest.mark.parametrize("name,value", [("param", 1.2), ("ckpt", -0.5), ("opt", float("inf"))])
 def test_placement_outside_unit_interval(name, value):
     with pytest.raises(ConfigError, match=rf"placement\.{name}=.*\(CPU share"):
         Placement(**{name: value})
 
 
-@pytest.mark.parametrize("kw,field", [(dict(lr=-1.0), "optimizer.lr"), (dict(betas=(0.9, 1.5)), "optimizer.betas"), (dict(eps=0), "optimizer.eps")])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(lr=-1.0), "optimizer.lr"),
+        (dict(betas=(0.9, 1.5)), "optimizer.betas"),
+        (dict(eps=0), "optimizer.eps"),
+        (dict(eps=float("inf")), "optimizer.eps"),
+        (dict(weight_decay=float("inf")), "optimizer.weight_decay"),
+        (dict(lr=True), "optimizer.lr"),
+        (dict(eps=True), "optimizer.eps"),
+        (dict(betas=(False, 0.99)), "optimizer.betas"),
+    ],
+)
 def test_optimizer_fields(kw, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         AdamW(**kw)
@@ -96,6 +139,18 @@ def test_data_not_iterable(tmp_path):
         ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(3, 16, dtype=torch.long)), "disagree"),
         ((torch.full((4, 16), 500), torch.zeros(4, 16, dtype=torch.long)), r"\[0, 96\)"),
         (([1, 2], torch.zeros(4, 16, dtype=torch.long)), "torch.Tensor"),
+        # token ids: integers of shape (batch, seq), targets of the same shape, some tokens
+        ((torch.zeros(4, 16), torch.zeros(4, 16, dtype=torch.long)), r"inputs must be integer token ids.*float32"),
+        ((torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.long)), r"inputs must be integer.*uint8"),
+        ((torch.zeros(4, 16, dtype=torch.bool), torch.zeros(4, 16, dtype=torch.long)), r"inputs must be integer.*bool"),
+        ((torch.full((4, 16), 500.0), torch.zeros(4, 16, dtype=torch.long)), r"inputs must be integer"),
+        ((torch.zeros(16, dtype=torch.long), torch.zeros(16, dtype=torch.long)), r"inputs must have shape \(batch, seq\), got \(16,\)"),
+        ((torch.zeros(4, 16, 2, dtype=torch.long), torch.zeros(4, 16, 2, dtype=torch.long)), r"shape \(batch, seq\)"),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long)), r"disagree in shape: \(4, 16\) vs \(4, 8\)"),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, dtype=torch.long)), r"targets must have the inputs' shape"),
+        ((torch.zeros(0, 16, dtype=torch.long), torch.zeros(0, 16, dtype=torch.long)), r"0 tokens"),
+        ((torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0, dtype=torch.long)), r"0 tokens"),
+        (batches(1, 4, seq=40)[0], r"sequence length 40 exceeds the model's block_size=32"),
     ],
 )
 async def test_bad_batches_fail_before_anything_starts(tmp_path, batch, match):
@@ -104,7 +159,30 @@ async def test_bad_batches_fail_before_anything_starts(tmp_path, batch, match):
     async with SnakeTrainer(tiny_gpt(), data=[batch], config=cfg) as trainer:
         with pytest.raises(DataError, match=match):
             await asyncio.wait_for(trainer.run(1), 30)
-    assert not list(off.glob("*.bin")), "no state may be written before the input is checked"
+    assert not any(off.iterdir()), "no state may be written before the input is checked"
+
+
+@pytest.mark.asyncio
+async def test_int32_inputs_train(tmp_path):
+    x, y = batches(1, 4)[0]
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=[(x.int(), y)], config=cfg) as trainer:
+        report = await asyncio.wait_for(trainer.run(1), 30)
+    assert report.steps[0].loss == report.steps[0].loss  # not NaN
+
+
+@pytest.mark.asyncio
+async def test_later_batch_with_wrong_targets_shape_is_a_data_error(tmp_path):
+    from snake import ActorFailed
+
+    x, y = batches(1, 4)[0]
+    data = [(x, y), (x, y[:, :8])]
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=data, config=cfg) as trainer:
+        with pytest.raises(ActorFailed) as e:
+            await asyncio.wait_for(trainer.run(2), 30)
+    assert isinstance(e.value.__cause__, DataError)
+    assert "disagree in shape: (4, 16) vs (4, 8)" in str(e.value)
 
 
 @pytest.mark.asyncio

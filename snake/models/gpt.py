@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from snake.errors import DataError
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GPTConfig:
@@ -118,7 +120,11 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}")
+            raise DataError(
+                f"data: sequence length {t} exceeds the model's block_size={self.config.block_size} "
+                "(its learned positions); give batches of at most block_size tokens per row, or "
+                "build the GPT with a larger block_size"
+            )
         pos = torch.arange(t, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 

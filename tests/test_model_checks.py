@@ -1,0 +1,145 @@
+"""Models snake would train wrongly are refused with a ModelError (or DataError) naming the
+part and the fix, before any state is written: per-block buffers, frozen or cross-block
+tied parameters, meta or mixed devices, non-callable parts, sequences past the positions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from torch import nn
+
+from snake import DataError, ModelError, ModelParts, SnakeConfig, SnakeTrainer
+from snake.adapters import describe
+from tests.helpers import batches, tiny_gpt
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = getattr(self, "scale", 1.0)
+        return x + scale * torch.tanh(self.lin(x))
+
+
+class Tiny(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(96, 16)
+        self.layers = nn.ModuleList(Block() for _ in range(n))
+        self.out = nn.Linear(16, 96)
+
+
+def parts(m: Tiny, **kw) -> ModelParts:
+    kw = {"pre": lambda mm, i: mm.emb(i), "post": lambda mm, h: mm.out(h), **kw}
+    return ModelParts(m, blocks=list(m.layers), blocks_prefix="layers", **kw)
+
+
+def refused(model, tmp_path, match: str) -> ModelError:
+    """The trainer refuses `model` with a ModelError matching `match`, writing nothing."""
+    off = tmp_path / "off"
+    with pytest.raises(ModelError, match=match) as e:
+        SnakeTrainer(model, data=batches(1, 4), config=SnakeConfig(offload_dir=off, device="cpu"))
+    assert not off.exists() or not any(off.iterdir()), "nothing may be written for a refused model"
+    return e.value
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_blocks_with_different_buffers_are_refused(tmp_path, persistent):
+    m = Tiny()
+    for i, layer in enumerate(m.layers):
+        layer.register_buffer("scale", torch.tensor(3.0 * (i + 1)), persistent=persistent)
+    refused(parts(m), tmp_path, r"block 1's buffer 'scale' differs.*nn\.Parameter")
+
+
+def test_buffer_missing_or_of_another_shape_is_refused(tmp_path):
+    m = Tiny()
+    m.layers[2].register_buffer("mask", torch.ones(4))
+    refused(parts(m), tmp_path, r"block 2's buffer 'mask'.*block 0 has no such buffer")
+    m = Tiny()
+    for i, layer in enumerate(m.layers):
+        layer.register_buffer("mask", torch.ones(4 + (i == 1)))
+    refused(parts(m), tmp_path, r"block 1's buffer 'mask'.*\(5,\)")
+
+
+def test_equal_buffers_in_every_block_are_accepted():
+    m = Tiny()
+    for layer in m.layers:  # a causal mask / rotary table: the same in every layer
+        layer.register_buffer("mask", torch.tril(torch.ones(8, 8)), persistent=False)
+        layer.register_buffer("scale", torch.tensor(2.0))
+    describe(parts(m))
+    describe(tiny_gpt())
+
+
+def test_frozen_block_parameter_is_refused(tmp_path):
+    m = tiny_gpt()
+    m.blocks[1].attn.c_attn.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    refused(m, tmp_path, r"'blocks\.1\.attn\.c_attn\.weight' has requires_grad=False.*requires_grad=True")
+    assert not m.blocks[1].attn.c_attn.weight.requires_grad, "the user's model is left as it was"
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_frozen_resident_parameter_is_refused(tmp_path):
+    m = tiny_gpt()
+    m.wpe.weight.requires_grad_(False)
+    refused(m, tmp_path, r"'wpe\.weight' has requires_grad=False")
+
+
+def test_weight_tied_across_blocks_is_refused(tmp_path):
+    m = Tiny()
+    m.layers[1].lin.weight = m.layers[0].lin.weight
+    refused(parts(m), tmp_path, r"'layers\.1\.lin\.weight' is the same tensor as 'layers\.0\.lin\.weight'")
+
+
+def test_weight_tied_between_block_and_pre_is_refused(tmp_path):
+    m = Tiny()
+    m.out.weight = m.emb.weight  # a pre/post tie (embedding and head) is fine
+    describe(parts(m))
+    m.norm = nn.LayerNorm(16)
+    m.layers[2].lin.bias = m.norm.bias  # a block/resident tie is not
+    refused(parts(m), tmp_path, r"'norm\.bias' is the same tensor as 'layers\.2\.lin\.bias' \(pre/post and block 2\)")
+
+
+def test_tie_inside_one_block_is_accepted():
+    m = Tiny()
+    for layer in m.layers:
+        layer.lin2 = nn.Linear(16, 16)
+        layer.lin2.weight = layer.lin.weight
+    describe(parts(m))
+
+
+def test_meta_model_is_refused(tmp_path):
+    with torch.device("meta"):
+        m = tiny_gpt()
+    refused(m, tmp_path, r"'wte\.weight' is on the meta device.*to_empty")
+
+
+@pytest.mark.cuda
+def test_model_on_two_devices_is_refused(tmp_path):
+    m = tiny_gpt()
+    m.blocks[1].to("cuda")
+    refused(m, tmp_path, r"several devices.*'blocks\.1\..*' on cuda:0.*model\.to")
+
+
+@pytest.mark.parametrize("field", ["pre", "post", "block_fn"])
+def test_parts_that_are_not_callable_are_refused(tmp_path, field):
+    refused(parts(Tiny(), **{field: "emb"}), tmp_path, rf"ModelParts\.{field} must be a function.*got str")
+
+
+@pytest.mark.asyncio
+async def test_hf_gpt2_sequence_past_n_positions_is_a_data_error(tmp_path):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32)
+    cfg._attn_implementation = "sdpa"
+    off = tmp_path / "off"
+    config = SnakeConfig(micro_batches=2, offload_dir=off, device="cpu")
+    async with SnakeTrainer(tf.GPT2LMHeadModel(cfg), data=batches(1, 4, seq=40), config=config) as trainer:
+        with pytest.raises(DataError, match=r"sequence length 40 exceeds the model's n_positions=32"):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not any(off.iterdir()), "no state may be written before the input is checked"
