@@ -3,13 +3,13 @@ A global batch is split into `micro_batches` along dim 0."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
 
-from snake.blocking import run_blocking
 from snake.errors import DataError
 
 _END = object()
@@ -17,7 +17,11 @@ _END = object()
 
 class DataSource:
     """One iterator over `data`, kept across `run()` calls. Sync iterators are advanced on
-    an executor thread (a DataLoader may block); async ones on the loop."""
+    an executor thread (a DataLoader may block); async ones on the loop.
+
+    A cancellation does not wait for a sync iterator's `next()` (the user's code, which may
+    block for long: a stuck loader, a queue): the call goes on on its thread, and the batch
+    it returns is the one the next `next()` hands out, so none is skipped."""
 
     def __init__(self, data: Any) -> None:
         if hasattr(data, "__aiter__"):
@@ -31,6 +35,7 @@ class DataSource:
                 f"data: expected an iterable or async iterable of (inputs, targets), got {type(data).__name__}"
             )
         self._peeked: list[Any] = []
+        self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
         self.consumed = 0  # global batches handed out
 
     async def next(self, executor: Executor) -> Any:
@@ -40,8 +45,16 @@ class DataSource:
             item = await anext(self._aiter, _END)
         else:
             assert self._iter is not None
-            it = self._iter
-            item = await run_blocking(executor, next, it, _END)
+            pending = self._pending
+            if pending is None:
+                pending = self._pending = asyncio.get_running_loop().run_in_executor(executor, next, self._iter, _END)
+            try:
+                item = await asyncio.shield(pending)
+            except BaseException:
+                if pending.done() and (pending.cancelled() or pending.exception() is not None):
+                    self._pending = None  # it failed: nothing to hand out later
+                raise  # else it runs on, or holds a batch: the next call hands that out
+            self._pending = None
         if item is _END:
             raise DataError(
                 f"data: ran out after {self.consumed} global batches; give more batches "
@@ -49,6 +62,11 @@ class DataSource:
             )
         self.consumed += 1
         return item
+
+    def fetching(self) -> bool:
+        """Is a sync iterator's next() still running on the data thread (left by a
+        cancellation)?"""
+        return self._pending is not None and not self._pending.done()
 
     async def peek(self, executor: Executor) -> Any:
         item = await self.next(executor)

@@ -380,7 +380,9 @@ class Engine:
             p.check_all_returned()
 
     def shutdown_executors(self) -> None:
-        for ex in dict.fromkeys(self.executors.values()):  # shared ones once
+        """Every executor but the data thread's, which the trainer owns (and may not be able
+        to wait for: the user's next() runs there)."""
+        for ex in dict.fromkeys(v for k, v in self.executors.items() if k != "data"):  # shared ones once
             ex.shutdown(wait=True, cancel_futures=True)
 
     def close_files(self) -> None:

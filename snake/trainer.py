@@ -49,7 +49,9 @@ class SnakeTrainer:
     """Trains `model` on `data` with `config`. `await run(steps)`; `run` again continues.
 
     After a failure or a cancellation inside `run()` the trainer is closed: its in-memory
-    state is part-way through an iteration. Start a new trainer (from a checkpoint).
+    state is part-way through an iteration. Start a new trainer (from a checkpoint). (A bad
+    first batch or a cancellation while the first `run()` sets up, before its engine
+    exists, leaves nothing behind: `run` can be tried again.)
     `close()` while a `run()`, `save()` or `load()` is in progress cancels the task awaiting
     it, waits for it to stop, then closes. The trainer runs in the event loop of its first
     `run()`; call it from that loop (`save()` and `state_dict()` work from any loop)."""
@@ -104,7 +106,9 @@ class SnakeTrainer:
                 self.engine, self.source, steps, vocab_size=self._vocab_size(), on_step=on_step
             )
         except BaseException as exc:
-            if self.engine is not None or not isinstance(exc, SnakeError):
+            # before the engine exists a bad input or a cancellation leaves nothing behind
+            # (_setup): the trainer can be given another try
+            if self.engine is not None or not isinstance(exc, SnakeError | asyncio.CancelledError):
                 self._broken = f"{type(exc).__name__}: {exc}"
                 await self._shutdown()
             raise
@@ -308,8 +312,10 @@ class SnakeTrainer:
         self._loop = None
         if e is not None:
             e.close()  # joins executor threads: quick, their work was awaited or is done
-        elif self._data_ex is not None:
-            self._data_ex.shutdown(wait=True, cancel_futures=True)
+        if self._data_ex is not None:
+            # not waited for while the user's next() still runs there (a cancellation does
+            # not wait for it: it may block for long); that thread ends when it returns
+            self._data_ex.shutdown(wait=not self.source.fetching(), cancel_futures=True)
         self._data_ex = None
         if self._lock is not None:
             self._lock.release()

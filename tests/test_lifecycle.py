@@ -237,3 +237,53 @@ def test_a_bad_model_leaves_no_new_offload_dir(tmp_path):
     with pytest.raises(SnakeError):
         SnakeTrainer(torch.nn.Linear(2, 2), data=batches(1, 4), config=config(off))
     assert not (tmp_path / "new").exists()
+
+
+class SlowData:
+    """A sync iterable whose next() blocks at the chosen batches (a stuck loader)."""
+
+    def __init__(self, data, slow: dict[int, float]) -> None:
+        self.data, self.slow = data, slow
+
+    def __iter__(self):
+        for i, item in enumerate(self.data):
+            if i in self.slow:
+                threading.Event().wait(self.slow[i])
+            yield item
+
+
+@pytest.mark.asyncio
+async def test_a_timeout_does_not_wait_for_a_blocked_data_source_nor_lose_its_batch(tmp_path):
+    """asyncio.timeout around run() waited for the user's blocking next() to return; now it
+    ends run() at once, and the batch that next() returns is the next one handed out."""
+    import time
+
+    data = batches(2, 4)
+    t = SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=SlowData(data, {0: 1.5}), config=config(tmp_path / "a"))
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await t.run(2)
+    assert time.perf_counter() - start < 1.0
+    await t.run(2)  # cancelled before the engine existed: the trainer can go on
+    got = await t.state_dict()
+    await t.close()
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=data, config=config(tmp_path / "b")) as ref:
+        await ref.run(2)
+        want = await ref.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.asyncio
+async def test_the_stall_watchdog_names_a_blocked_data_source(tmp_path):
+    import time
+
+    from snake import ActorFailed
+
+    slow = SlowData(batches(3, 4), {2: 4.0})
+    start = time.perf_counter()
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=slow, config=config(tmp_path, stall_timeout_s=0.5)) as t:
+        with pytest.raises(ActorFailed, match="'data'.*next\\(data\\)"):
+            await t.run(3)
+    assert time.perf_counter() - start < 3.0

@@ -45,7 +45,11 @@ class DataFeeder(Actor):
         ex = self.e.executors["data"]
         for t in self.iterations:
             self.at(t)
-            item = await self.source.next(ex)
+            self.busy = ("next(data)", self.tracer.now())  # the stall watchdog names a slow source
+            try:
+                item = await self.source.next(ex)
+            finally:
+                self.busy = None
             split = functools.partial(
                 split_batch,
                 item,
