@@ -12,14 +12,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from planner.profile import MachineProfile, measure_profile
 from planner.roofline import plot_roofline, roofline
 from planner.search import search
 from planner.solve import Infeasible, Plan, predict_horizontal
+from snake.cli import device_name, positive_int
+from snake.config import MIN_SSD_BANDWIDTH
+from snake.errors import ConfigError
 from snake.models.gpt import GPTConfig
 
 _UNITS = {
@@ -39,6 +44,23 @@ def parse_size(text: str) -> float:
     return float(m.group(1)) * _UNITS[unit]
 
 
+def _positive_size(text: str) -> float:
+    """`parse_size`, and more than 0 bytes: a budget or a bandwidth."""
+    size = parse_size(text)
+    if not size > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    return size
+
+
+def _ssd_bandwidth(text: str) -> float:
+    """`parse_size`, at least SnakeConfig's lowest cap (1 MB/s): below it the SSD probe
+    does not finish (at 1 B/s it hangs)."""
+    size = parse_size(text)
+    if not size >= MIN_SSD_BANDWIDTH:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1MB/s (a cap, in bytes/s)")
+    return size
+
+
 def parse_model(text: str) -> GPTConfig:
     """'gpt:n_layer=4,n_embd=128' -> GPTConfig(n_layer=4, n_embd=128, ...)."""
     kind, _, rest = text.partition(":")
@@ -56,6 +78,10 @@ def parse_model(text: str) -> GPTConfig:
             kw[key] = value.lower() in ("1", "true", "yes") if conv is bool else conv(value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"model field {key}={value!r}: {e}") from e
+        if conv is int and kw[key] < 1:
+            raise argparse.ArgumentTypeError(f"model field {key}={kw[key]} must be an integer >= 1")
+        if key == "dropout" and not 0 <= kw[key] < 1:
+            raise argparse.ArgumentTypeError(f"model field dropout={kw[key]} must be in [0, 1)")
     try:
         return GPTConfig(**kw)
     except ValueError as e:
@@ -65,16 +91,16 @@ def parse_model(text: str) -> GPTConfig:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snake plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=parse_model, required=True, help="gpt:n_layer=..,n_embd=..,...")
-    p.add_argument("--micro-batch-size", type=int, required=True)
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's block_size")
-    p.add_argument("--cpu-memory", type=parse_size, default=None, help="host budget; default: available")
-    p.add_argument("--device-memory", type=parse_size, default=None)
+    p.add_argument("--micro-batch-size", type=positive_int, required=True)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's block_size")
+    p.add_argument("--cpu-memory", type=_positive_size, default=None, help="host budget; default: available")
+    p.add_argument("--device-memory", type=_positive_size, default=None)
     p.add_argument("--offload-dir", required=True, help="SSD tier directory (probe and cache)")
-    p.add_argument("--ssd-bandwidth", type=parse_size, default=None, help="cap, bytes/s (reads+writes)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--ssd-bandwidth", type=_ssd_bandwidth, default=None, help="cap, bytes/s (reads+writes)")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--schedule", default="vertical", choices=("vertical", "horizontal"))
-    p.add_argument("--max-micro-batches", type=int, default=64)
+    p.add_argument("--max-micro-batches", type=positive_int, default=64)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="save the roofline plot to this image file")
     p.add_argument("--remeasure", action="store_true", help="ignore the cached profile")
@@ -122,21 +148,54 @@ def format_table(d: dict) -> str:
     return "\n".join(f"{k:<22}{v}" for k, v in rows)
 
 
+def _check_args(args: argparse.Namespace, *, measure: bool) -> None:
+    """What argparse cannot check one option at a time, before measuring: a ConfigError
+    naming the option. Creates --offload-dir (0700) when it will be measured into."""
+    from snake.offload_dir import check_offload_dir
+
+    block = args.model.block_size
+    if args.seq_len is not None and args.seq_len > block:
+        raise ConfigError("--seq-len", args.seq_len, f"must be <= the model's block_size={block}",
+                          "use a shorter sequence or a larger block_size in --model")
+    if args.plot is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        plot = Path(args.plot).expanduser()
+        fix = "pick a file in an existing directory you can write to"
+        if plot.is_dir():
+            raise ConfigError("--plot", args.plot, "is a directory, not an image file", fix)
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if plot.suffix and plot.suffix[1:].lower() not in kinds:
+            raise ConfigError("--plot", args.plot, f"has a suffix matplotlib cannot write; it can write {sorted(kinds)}",
+                              "e.g. roofline.png")
+        if not plot.parent.is_dir():
+            raise ConfigError("--plot", args.plot, f"is in {plot.parent}, which is not a directory", fix)
+        if not os.access(plot.parent, os.W_OK | os.X_OK):
+            raise ConfigError("--plot", args.plot, f"is in {plot.parent}, which is not writable", fix)
+    if measure:
+        check_offload_dir(args.offload_dir)
+
+
 def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     """Entry point of `snake plan`. `profile`: use it instead of measuring (tests)."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, or argparse's own error message
         return int(e.code or 0)
-    if profile is None:
-        profile = measure_profile(
-            args.model, micro_batch_size=args.micro_batch_size,
-            seq_len=args.seq_len or args.model.block_size, device=args.device, dtype=args.dtype,
-            offload_dir=args.offload_dir, ssd_bandwidth_bytes_per_s=args.ssd_bandwidth,
-            remeasure=args.remeasure,
-        )
-    budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
-    profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
+    try:
+        _check_args(args, measure=profile is None)
+        if profile is None:
+            profile = measure_profile(
+                args.model, micro_batch_size=args.micro_batch_size,
+                seq_len=args.seq_len or args.model.block_size, device=args.device, dtype=args.dtype,
+                offload_dir=args.offload_dir, ssd_bandwidth_bytes_per_s=args.ssd_bandwidth,
+                remeasure=args.remeasure,
+            )
+        budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
+        profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
+    except ConfigError as e:
+        print(f"snake plan: {e}", file=sys.stderr)
+        return 2
     plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches)
     if isinstance(plan, Infeasible):
         print(f"snake plan: infeasible: {plan.message}", file=sys.stderr)

@@ -69,10 +69,16 @@ class MachineProfile:
     device_link_bytes_per_s: float | None = None  # SnakeConfig's emulated link cap, if any
 
     def __post_init__(self) -> None:
-        for name in (*_MEASURED, "cpu_memory_bytes", "device_memory_bytes"):
+        for name in _MEASURED:
             v = getattr(self, name)
             if not isinstance(v, int | float) or not v > 0 or v == float("inf"):
-                raise ConfigError(f"profile.{name}", v, "must be a finite number > 0", "remeasure")
+                raise ConfigError(f"profile.{name}", v, "must be a finite number > 0",
+                                  "a measured cost: remeasure, e.g. snake plan --remeasure")
+        for name in ("cpu_memory_bytes", "device_memory_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not v > 0 or v == float("inf"):
+                raise ConfigError(f"profile.{name}", v, "must be a finite number of bytes > 0",
+                                  "a memory budget, e.g. snake plan --cpu-memory 8GiB / --device-memory 8GiB")
         link = self.device_link_bytes_per_s
         if link is not None and (not isinstance(link, int | float) or not 0 < link < float("inf")):
             raise ConfigError("profile.device_link_bytes_per_s", link, "must be a finite number > 0 or None")
@@ -94,10 +100,12 @@ def shape_of(model_cfg: GPTConfig, micro_batch_size: int, seq_len: int, dtype: s
     Resident params: token + position embeddings and the final norm (the head is tied)."""
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
-    if micro_batch_size < 1 or not 1 <= seq_len <= model_cfg.block_size:
+    if micro_batch_size < 1:
+        raise ConfigError("micro_batch_size", micro_batch_size, "must be an integer >= 1")
+    if not 1 <= seq_len <= model_cfg.block_size:
         raise ConfigError(
-            "seq_len", (micro_batch_size, seq_len), f"needs micro_batch_size >= 1 and "
-            f"1 <= seq_len <= block_size={model_cfg.block_size}",
+            "seq_len", seq_len, f"must be in [1, block_size={model_cfg.block_size}]",
+            "a shorter sequence, or a model with a larger block_size",
         )
     c = model_cfg.n_embd
     resident = (model_cfg.vocab_size + model_cfg.block_size) * c + c * (2 if model_cfg.bias else 1)

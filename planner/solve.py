@@ -15,6 +15,10 @@ Device memory does not depend on x: it is checked before the LP.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import highspy
@@ -171,8 +175,34 @@ def _lp(
     return lp
 
 
+@contextlib.contextmanager
+def _c_stdout_to_devnull() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null meanwhile. The first `highspy.Highs()` of a process
+    prints HiGHS' banner there, before output_flag can be turned off, and it would land in
+    front of `snake plan --json`'s output."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to keep clean
+        saved = -1
+    if saved < 0:
+        yield
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+        finally:
+            os.close(devnull)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _run(lp: highspy.HighsLp) -> list[float] | None:
-    h = highspy.Highs()
+    with _c_stdout_to_devnull():
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.passModel(lp)
     h.run()

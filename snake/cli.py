@@ -4,40 +4,86 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import re
 import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from snake.config import STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
+from snake.errors import ActorFailed, ConfigError, SnakeError
+
+if TYPE_CHECKING:
+    from snake.models import GPTConfig
+
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range for a non-negative seed
+HOLDOUT = 0.05  # the corpus' tail that `snake train` never trains on
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return value
+
+
+def device_name(text: str) -> str:
+    """An argparse type: 'cpu', 'cuda' or 'cuda:N', present on this machine."""
+    from snake.device import resolve_device
+
+    if re.fullmatch(r"cpu|cuda(:[0-9]+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'cpu', 'cuda' or 'cuda:N'")
+    try:
+        resolve_device(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 2**63 - 1]")
+    return value
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the built-in GPT on text shipped with Python (no download)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--embd", type=int, default=192)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--placement", default="0.5,0.5,0.5", help="CPU shares param,ckpt,opt (rest on SSD)")
+    p.add_argument("--steps", type=positive_int, default=60)
+    p.add_argument("--layers", type=positive_int, default=6)
+    p.add_argument("--embd", type=positive_int, default=192)
+    p.add_argument("--heads", type=positive_int, default=6)
+    p.add_argument("--seq", type=positive_int, default=64)
+    p.add_argument("--batch", type=positive_int, default=16, help="global batch (sequences)")
+    p.add_argument("--micro-batches", type=positive_int, default=4)
+    p.add_argument("--placement", type=_placement, default="0.5,0.5,0.5",
+                   help="CPU shares param,ckpt,opt (rest on SSD)")
     p.add_argument("--alpha", type=float, default=0.25)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--schedule", default="vertical", choices=["vertical", "horizontal"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: CUDA if present)")
     p.add_argument("--storage-backend", default="auto", choices=list(STORAGE_BACKENDS),
                    help="how the SSD tier's files are read and written (auto: the best this machine has)")
     p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
     p.add_argument("--out", default="snake-out")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint here at the end")
 
 
@@ -45,27 +91,84 @@ def _placement(text: str) -> Placement:
     try:
         param, ckpt, opt = (float(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(f"--placement={text!r} must be three numbers param,ckpt,opt, e.g. 0.5,0.5,0.5") from None
-    return Placement(param=param, ckpt=ckpt, opt=opt)
+        raise argparse.ArgumentTypeError(f"{text!r} must be three numbers param,ckpt,opt, e.g. 0.5,0.5,0.5") from None
+    try:
+        return Placement(param=param, ckpt=ckpt, opt=opt)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-async def _train(args: argparse.Namespace, offload_dir: str) -> int:
+def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
+    """What argparse cannot check one option at a time, before anything is built: a
+    ConfigError naming the option."""
+    from snake.models import GPTConfig
 
-    from snake.corpus import pydoc_bytes, random_windows
-    from snake.models import GPT, GPTConfig
+    if args.embd % args.heads:
+        raise ConfigError("--heads", args.heads, f"must divide --embd={args.embd}", "e.g. --embd 192 --heads 6")
+    if args.batch % args.micro_batches:
+        raise ConfigError(
+            "--batch", args.batch, f"is not divisible by --micro-batches={args.micro_batches}",
+            "use a batch that is a multiple of the micro-batches",
+        )
+    longest = int(corpus_len * (1 - HOLDOUT)) - 2
+    if args.seq > longest:
+        raise ConfigError("--seq", args.seq, f"is longer than the training text allows ({longest} bytes)", "use a shorter sequence")
+    try:
+        return GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
+    except ValueError as e:  # GPTConfig's own checks
+        raise SnakeError(f"--layers/--heads/--embd/--seq do not make a model: {e}") from None
+
+
+def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
+    return SnakeConfig(
+        micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
+        alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1), dtype=args.dtype,
+        device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
+    )
+
+
+def _output_dir(option: str, text: str) -> Path:
+    """Create the directory `text` (given as `option`) now, so the end of a run cannot fail on it."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(option, text, "is a file, not a directory", "pass a directory path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(option, text, f"cannot be created ({e.strerror})", "pick a location you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(option, text, "is not writable", "pick a directory you can write to")
+    return path
+
+
+def _check_checkpoint_dir(text: str) -> None:
+    """Refuse now a --checkpoint path that `trainer.save` would refuse after training (it only
+    replaces a snake checkpoint or an empty directory). Creates nothing."""
+    from snake.checkpoint import MANIFEST
+
+    path = Path(text).expanduser()
+    fix = "pick a new or empty directory, or an earlier snake checkpoint to replace"
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ConfigError("--checkpoint", text, "exists and is not a directory", fix)
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
+        raise ConfigError("--checkpoint", text, f"is a directory with files but no {MANIFEST} (not a snake checkpoint)", fix)
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise ConfigError("--checkpoint", text, f"cannot be created: {parent} is a file", fix)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--checkpoint", text, f"cannot be created: {parent} is not writable", fix)
+
+
+async def _train(args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor) -> int:
+    from snake.corpus import random_windows
+    from snake.models import GPT
     from snake.timeline import plot_timeline
     from snake.trainer import SnakeTrainer
 
     torch.manual_seed(args.seed)
-    mcfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
-    config = SnakeConfig(
-        micro_batches=args.micro_batches, offload_dir=offload_dir, placement=_placement(args.placement),
-        alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1), dtype=args.dtype,
-        device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
-    )
     print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
     print("config:", json.dumps({k: str(v) for k, v in asdict(config).items()}))
-    data = random_windows(pydoc_bytes(), batch=args.batch, seq=args.seq, seed=args.seed)
+    data = random_windows(corpus, batch=args.batch, seq=args.seq, seed=args.seed, holdout=HOLDOUT)
     out = Path(args.out)
     steps: list[dict] = []
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
@@ -180,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cmd == "export":
-        from snake.errors import SnakeError
         from snake.export import export_checkpoint_hf
 
         try:
@@ -191,18 +293,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} (load it with transformers' from_pretrained)")
         return 0
     if args.cmd == "train":
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         try:
-            import uvloop
-
-            runner = uvloop.run
-        except ImportError:  # pragma: no cover
-            runner = asyncio.run  # type: ignore[assignment]
-        if args.offload_dir:
-            return runner(_train(args, args.offload_dir))
-        with tempfile.TemporaryDirectory(prefix="snake-offload-") as d:
-            return runner(_train(args, d))
+            return _train_main(args)
+        except SnakeError as e:
+            if isinstance(e, ActorFailed) and not isinstance(e.__cause__, SnakeError):
+                raise  # an actor hit a bug, not a bad argument: the traceback is what a report needs
+            print(f"snake train: {e}", file=sys.stderr)
+            return 2
     return 2
+
+
+def _train_main(args: argparse.Namespace) -> int:
+    from snake.corpus import pydoc_bytes
+
+    corpus = pydoc_bytes()
+    mcfg = _check_train_args(args, len(corpus))
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run  # type: ignore[assignment]
+    with contextlib.ExitStack() as stack:
+        offload_dir = args.offload_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="snake-offload-"))
+        config = _snake_config(args, offload_dir)
+        # the run writes these at its end: refuse a bad path now, not after training
+        if args.checkpoint:
+            _check_checkpoint_dir(args.checkpoint)
+        _output_dir("--out", args.out)
+        return runner(_train(args, mcfg, config, corpus))
 
 
 if __name__ == "__main__":

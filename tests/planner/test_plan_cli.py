@@ -1,13 +1,18 @@
-"""`snake plan` through plan_main, with a pre-made profile (no measuring)."""
+"""`snake plan` through plan_main, with a pre-made profile (no measuring); and once in a
+fresh process, with a cached profile."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import synthetic_profile
 
 from planner.cli import parse_model, parse_size, plan_main
+from planner.profile import _MEASURED, _cache_key, cache_path, shape_of
 
 MODEL = "gpt:n_layer=24,n_embd=2048,n_head=16,vocab_size=50304,block_size=1024"
 KEYS = {
@@ -72,3 +77,64 @@ def test_parse_model():
     cfg = parse_model("gpt:n_layer=2,n_embd=64,n_head=2,vocab_size=100,block_size=32,bias=false")
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size) == (2, 64, 2, 100, 32)
     assert cfg.bias is False
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (["--model", "gpt:n_layer=-2"], "argument --model: model field n_layer=-2 must be an integer >= 1"),
+        (["--model", "gpt:n_layer=0"], "argument --model: model field n_layer=0 must be an integer >= 1"),
+        (["--model", "gpt:n_head=0"], "argument --model: model field n_head=0 must be an integer >= 1"),
+        (["--micro-batch-size", "0"], "argument --micro-batch-size: 0 must be an integer >= 1"),
+        (["--micro-batch-size", "-1"], "argument --micro-batch-size: -1 must be an integer >= 1"),
+        (["--max-micro-batches", "0"], "argument --max-micro-batches: 0 must be an integer >= 1"),
+        (["--seq-len", "2048"], "snake plan: --seq-len=2048 must be <= the model's block_size=1024"),
+        (["--ssd-bandwidth", "0"], "argument --ssd-bandwidth: '0' must be at least 1MB/s"),
+        (["--cpu-memory", "0"], "argument --cpu-memory: '0' must be more than 0 bytes"),
+        (["--device-memory", "0"], "argument --device-memory: '0' must be more than 0 bytes"),
+        (["--device", "mps"], "argument --device: 'mps' is not 'cpu', 'cuda' or 'cuda:N'"),
+        (["--device", "cuda:99"], "argument --device: device='cuda:99'"),
+        (["--plot", "roofline.txt"], "snake plan: --plot='roofline.txt' has a suffix matplotlib cannot write"),
+    ],
+)
+def test_bad_values_return_2_with_the_option_named(tmp_path, capsys, change, says):
+    argv = _args(tmp_path)
+    for i in range(0, len(change), 2):  # replace the option if it is there, else add it
+        if change[i] in argv:
+            argv[argv.index(change[i]) + 1] = change[i + 1]
+        else:
+            argv += change[i : i + 2]
+    assert plan_main(argv, profile=synthetic_profile()) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert says in captured.err
+
+
+def test_bad_paths_are_refused_before_measuring_or_printing(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert plan_main(_args(tmp_path / "off", "--plot", str(afile / "r.png")), profile=synthetic_profile()) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # the plan is not printed before failing on --plot
+    assert captured.err.startswith(f"snake plan: --plot='{afile / 'r.png'}' is in {afile}, which is not a directory")
+    # no profile given: the offload dir is checked before anything is measured
+    argv = ["--model", MODEL, "--micro-batch-size", "4", "--offload-dir", str(afile)]
+    assert plan_main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"snake plan: offload_dir='{afile}' is a file, not a directory (pass a directory path)\n"
+    )
+
+
+def test_json_on_stdout_is_only_json(tmp_path):
+    """In a fresh process, where HiGHS prints its banner on the C-level stdout when the first
+    solver is built: stdout must still parse as JSON. The profile comes from a cache file
+    written here, so nothing is measured."""
+    model = "gpt:n_layer=2,n_embd=64,n_head=2,vocab_size=96,block_size=32"
+    shape = shape_of(parse_model(model), 2, 32, "float32")
+    measured = dataclasses.asdict(synthetic_profile())
+    cache = cache_path(tmp_path, _cache_key(shape, "cpu", "float32", None))
+    cache.write_text(json.dumps({k: measured[k] for k in _MEASURED}))
+    argv = ["plan", "--model", model, "--micro-batch-size", "2", "--offload-dir", str(tmp_path), "--json"]
+    done = subprocess.run([sys.executable, "-m", "snake.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["micro_batches"] >= 1
