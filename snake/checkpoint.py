@@ -179,8 +179,9 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         "alpha": cfg.alpha,
         "micro_batches": cfg.micro_batches,
         "seed": cfg.seed,
-        # informational: not checked on load (placement does not change results; a new
-        # optimizer setting is the user's choice)
+        # informational: not checked on load (placement changes results only in the last
+        # bit of a few elements, snake.optim.adamw_step; a new optimizer setting is the
+        # user's choice)
         "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
     }

@@ -18,7 +18,9 @@ def adamw_step(
 ) -> None:
     """One AdamW step (step count `step`, 1-based) in place, with torch's fused CPU kernel:
     the math of `torch.optim.AdamW`. The step is element-wise, so any split of a tensor into
-    pieces gives the same result as the whole."""
+    pieces gives the same result as the whole, but for the last bit of a few elements: the
+    kernel handles a piece's vector-width remainder apart, with another rounding (cutting
+    100k elements at 3, 10 and 77,777 changed 3 of them by up to 1.9e-9 after 5 steps)."""
     keep = [i for i, p in enumerate(params) if p.numel()]
     if not keep:
         return

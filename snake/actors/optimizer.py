@@ -13,8 +13,8 @@ CPU memory, overlapping the backward of later layers. delayed step: the remainin
 in the next iteration before the layer's forward; its gradient waits in CPU memory
 (vertical: in the memory of the layer's CPU-resident delayed parameters, which are stale
 until this step rewrites them, plus a dedicated slice for the rest, GreedySnake 4.4;
-horizontal: the layer's accumulator). AdamW is element-wise, so the split gives exactly
-the result of alpha = 0.
+horizontal: the layer's accumulator). AdamW is element-wise, so the split gives the result
+of alpha = 0 (to the last bit of a few elements: snake.optim.adamw_step).
 """
 
 from __future__ import annotations
