@@ -4,7 +4,7 @@ A global batch is split into `micro_batches` along dim 0."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -37,12 +37,16 @@ class DataSource:
         self._peeked: list[Any] = []
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
         self.consumed = 0  # global batches handed out
+        # a list or tuple says how many batches it has: run() checks there are enough
+        self._len = len(data) if isinstance(data, Sequence) else None
+        self._taken = 0  # items taken from the iterator (load(skip_data=False) does not count)
 
     async def next(self, executor: Executor) -> Any:
         if self._peeked:
             item = self._peeked.pop()
         elif self._aiter is not None:
             item = await anext(self._aiter, _END)
+            self._taken += 1
         else:
             assert self._iter is not None
             pending = self._pending
@@ -55,6 +59,7 @@ class DataSource:
                     self._pending = None  # it failed: nothing to hand out later
                 raise  # else it runs on, or holds a batch: the next call hands that out
             self._pending = None
+            self._taken += 1
         if item is _END:
             raise DataError(
                 f"data: ran out after {self.consumed} global batches; give more batches "
@@ -62,6 +67,10 @@ class DataSource:
             )
         self.consumed += 1
         return item
+
+    def left(self) -> int | None:
+        """Batches still to come from a list or tuple (None: the data does not say)."""
+        return None if self._len is None else self._len - self._taken + len(self._peeked)
 
     def fetching(self) -> bool:
         """Is a sync iterator's next() still running on the data thread (left by a

@@ -21,7 +21,7 @@ from snake.config import SnakeConfig
 from snake.data import DataSource, split_batch
 from snake.device import helper_thread_init, resolve_device
 from snake.engine import Engine
-from snake.errors import ConfigError, SnakeError
+from snake.errors import ConfigError, DataError, SnakeError
 from snake.offload_dir import DirLock, check_offload_dir
 from snake.runtime import run_iterations
 from snake.trace import Tracer
@@ -89,6 +89,12 @@ class SnakeTrainer:
             raise ConfigError("steps", steps, "must be an integer >= 1")
         _check_on_step(on_step)
         self._check_usable()
+        left = self.source.left()
+        if left is not None and left < steps:  # else the run would fail at its end, losing every step
+            raise DataError(
+                f"data: run({steps}) needs {steps} more global batches but the data has {left} left; "
+                "give more batches (or an endless iterator) or run fewer steps"
+            )
         if self._running:
             raise SnakeError("run: this trainer is already running; await the first run() before the next")
         if self._loop is not None and self._loop is not asyncio.get_running_loop():

@@ -287,3 +287,26 @@ async def test_the_stall_watchdog_names_a_blocked_data_source(tmp_path):
         with pytest.raises(ActorFailed, match="'data'.*next\\(data\\)"):
             await t.run(3)
     assert time.perf_counter() - start < 3.0
+    # the data thread ends when the user's next() returns (not joined while it runs)
+    for thread in threading.enumerate():
+        if thread.name.startswith("snake-data"):
+            await asyncio.to_thread(thread.join, 10)
+    assert not snake_threads()
+
+
+@pytest.mark.asyncio
+async def test_a_list_too_short_for_the_run_is_refused_up_front(tmp_path):
+    """A list of 3 batches and run(5) trained 3 iterations, then failed and lost them all;
+    a list says its length, so the run is refused before it starts, and the trainer goes on."""
+    from snake import DataError
+
+    off = tmp_path / "off"
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(3, 4), config=config(off)) as t:
+        with pytest.raises(DataError, match=r"run\(5\) needs 5 more global batches but the data has 3 left"):
+            await t.run(5)
+        assert not off.exists() or not list(off.glob("*.bin"))
+        await t.run(2)
+        with pytest.raises(DataError, match="has 1 left"):
+            await t.run(2)
+        report = await t.run(1)
+        assert len(report.steps) == 1
