@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from snake.config import STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
+from snake.config import MAX_SEED, STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
 from snake.errors import ActorFailed, ConfigError, SnakeError
 
 if TYPE_CHECKING:
     from snake.models import GPTConfig
 
-MAX_SEED = 2**63 - 1  # torch.manual_seed's range for a non-negative seed
 HOLDOUT = 0.05  # the corpus' tail that `snake train` never trains on
 
 
