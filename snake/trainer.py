@@ -89,12 +89,6 @@ class SnakeTrainer:
             raise ConfigError("steps", steps, "must be an integer >= 1")
         _check_on_step(on_step)
         self._check_usable()
-        left = self.source.left()
-        if left is not None and left < steps:  # else the run would fail at its end, losing every step
-            raise DataError(
-                f"data: run({steps}) needs {steps} more global batches but the data has {left} left; "
-                "give more batches (or an endless iterator) or run fewer steps"
-            )
         if self._running:
             raise SnakeError("run: this trainer is already running; await the first run() before the next")
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
@@ -102,6 +96,12 @@ class SnakeTrainer:
                 "run: this trainer was set up in another event loop, which its queues belong to; "
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
+            )
+        left = self.source.left()
+        if left is not None and left < steps:  # else the run would fail at its end, losing every step
+            raise DataError(
+                f"data: run({steps}) needs {steps} more global batches but the data has {left} left; "
+                "give more batches (or an endless iterator) or run fewer steps"
             )
         self._begin()
         try:
