@@ -211,47 +211,64 @@ def model_spec(parts: ModelParts) -> dict[str, Any]:
     }
 
 
-def read_manifest(target: Path) -> dict[str, Any]:
-    """Blocking: the manifest of the checkpoint at `target`, after checking that it is one
-    and that every file it lists is there with its recorded size and sha256."""
+def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
+    """Blocking: the manifest of the checkpoint at `target`, after checking that it is one,
+    that its values have their types and ranges, and that every file it lists is there with
+    its recorded size and sha256. `what`: the operation its errors name."""
     if not target.is_dir():
         hint = ""
         aside = _siblings(target, "old")
         if aside:
             hint = f"; an interrupted save left the previous checkpoint at {aside[-1]}: rename it to {target.name}"
-        raise SnakeError(f"load: no checkpoint directory at {target}{hint}")
+        raise SnakeError(f"{what}: no checkpoint directory at {target}{hint}")
     path = target / MANIFEST
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise SnakeError(f"load: {target} has no {MANIFEST}: not a snake checkpoint") from None
+        raise SnakeError(f"{what}: {target} has no {MANIFEST}: not a snake checkpoint") from None
     except (OSError, ValueError) as exc:
-        raise SnakeError(f"load: cannot read {path}: {exc}") from exc
+        raise SnakeError(f"{what}: cannot read {path}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise SnakeError(f"load: {path} is not a snake checkpoint manifest (format != {FORMAT!r})")
+        raise SnakeError(f"{what}: {path} is not a snake checkpoint manifest (format != {FORMAT!r})")
     if manifest.get("version") != VERSION:
         raise SnakeError(
-            f"load: {target} has checkpoint format version {manifest.get('version')!r}; "
+            f"{what}: {target} has checkpoint format version {manifest.get('version')!r}; "
             f"this snake reads version {VERSION}"
         )
     for key in ("step", "consumed_batches", "config", "model", "files"):
         if key not in manifest:
-            raise SnakeError(f"load: {path} lacks {key!r}: the manifest is damaged")
-    n_layer = int(manifest["model"]["n_layer"])
+            raise SnakeError(f"{what}: {path} lacks {key!r}: the manifest is damaged")
+
+    def damaged(field: str, value: object, rule: str) -> SnakeError:
+        return SnakeError(f"{what}: {path} has {field}={value!r}, which {rule}: the manifest is damaged")
+
+    for key in ("step", "consumed_batches"):
+        v = manifest[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise damaged(key, v, "must be an integer >= 0")
+    for key in ("config", "model", "files"):
+        if not isinstance(manifest[key], dict):
+            raise damaged(key, type(manifest[key]).__name__, "must be a mapping")
+    n_layer = manifest["model"].get("n_layer")
+    if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer < 1:
+        raise damaged("model.n_layer", n_layer, "must be an integer >= 1")
     files: dict[str, Any] = manifest["files"]
+    for name, info in files.items():
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
+            raise damaged(f"files[{name!r}]", info, "must record 'bytes' and 'sha256'")
     for name in [layer_file(i) for i in range(n_layer)] + [RESIDENT, RNG]:
         if name not in files:
-            raise SnakeError(f"load: {path} does not list {name}: the manifest is damaged")
+            raise SnakeError(f"{what}: {path} does not list {name}: the manifest is damaged")
     for name, info in files.items():
         f = target / name
         if not f.is_file():
-            raise SnakeError(f"load: {f} is missing: the checkpoint is incomplete")
+            raise SnakeError(f"{what}: {f} is missing: the checkpoint is incomplete")
         if f.stat().st_size != info["bytes"]:
-            raise SnakeError(f"load: {f} has {f.stat().st_size} bytes, the manifest says {info['bytes']}: it is damaged")
+            raise SnakeError(f"{what}: {f} has {f.stat().st_size} bytes, the manifest says {info['bytes']}: it is damaged")
         with open(f, "rb") as fh:
             digest = hashlib.file_digest(fh, "sha256").hexdigest()
         if digest != info["sha256"]:
-            raise SnakeError(f"load: {f} does not match its sha256 in the manifest: it is damaged")
+            raise SnakeError(f"{what}: {f} does not match its sha256 in the manifest: it is damaged")
     return manifest
 
 

@@ -5,7 +5,6 @@ a Hugging Face model is rebuilt from its own config."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,10 @@ _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "m
 
 def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(manifest, fp32 master weights by parameter name) of a snake checkpoint."""
+    from snake.checkpoint import read_manifest
+
     d = Path(directory)
-    try:
-        manifest = json.loads((d / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SnakeError(f"export: {d} is not a snake checkpoint (manifest.json: {e})") from e
+    manifest = read_manifest(d, what="export")  # its files' sizes and sha256 too, as load() checks
     masters: dict[str, torch.Tensor] = {}
     for name in manifest["files"]:
         if name.endswith(".safetensors") and name != "rng.safetensors":

@@ -290,3 +290,50 @@ async def test_damaged_or_foreign_directories(tmp_path):
             assert (foreign / "notes.txt").read_text() == "keep me"
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_export_checks_the_checkpoint_as_load_does(tmp_path):
+    """`snake export` read the files without their sha256: a flipped byte was exported as
+    a wrong weight, exit 0 (found by round 20's audit)."""
+    from snake.export import read_masters
+
+    where = tmp_path / "ckpt"
+    await asyncio.wait_for(first_half(tmp_path, batches(2, 4), 1, where), TIMEOUT)
+    _, good = read_masters(where)
+    assert good
+    layer = where / ckpt.layer_file(0)
+    raw = bytearray(layer.read_bytes())
+    raw[-1] ^= 0xFF
+    layer.write_bytes(bytes(raw))
+    with pytest.raises(SnakeError, match="export: .* sha256"):
+        read_masters(where)
+    layer.unlink()
+    with pytest.raises(SnakeError, match="export: .* is missing"):
+        read_masters(where)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("step", -3, "step=-3, which must be an integer >= 0"),
+        ("step", "abc", "step='abc', which must be an integer >= 0"),
+        ("consumed_batches", -2, "consumed_batches=-2"),
+        ("config", None, "config='NoneType', which must be a mapping"),
+        ("model", {"block_params": []}, "model.n_layer=None"),
+    ],
+)
+async def test_damaged_manifest_values_are_refused(tmp_path, field, value, says):
+    """A manifest with step=-3 loaded and trained to non-finite weights; consumed_batches=-2
+    replayed data; other damage gave raw KeyErrors (round 20's audit)."""
+    where = tmp_path / "ckpt"
+    await asyncio.wait_for(first_half(tmp_path, batches(2, 4), 1, where), TIMEOUT)
+    path = where / ckpt.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest[field] = value
+    path.write_text(json.dumps(manifest))
+    async with SnakeTrainer(model(), data=batches(2, 4), config=config(tmp_path, "j")) as t:
+        with pytest.raises(SnakeError, match="load: .*" + says.replace("(", r"\(").replace("[", r"\[")):
+            await t.load(where)
+        assert t.engine is None
