@@ -308,13 +308,16 @@ def check_resolved(config: SnakeConfig, manifest: dict[str, Any]) -> None:
 
 def fill_config(config: SnakeConfig, manifest: dict[str, Any]) -> SnakeConfig:
     """The trainer's config with its planner-chosen (None) micro_batches, alpha and
-    placement taken from the checkpoint, where it recorded them."""
+    placement taken from the checkpoint, where it recorded them; but with a memory budget
+    (cpu_memory_bytes) the planner places under it, as for a new run (the checkpoint's
+    placement may not fit this machine; placement changes results only in the last bit of
+    a few elements)."""
     saved = manifest["config"]
     changes: dict[str, Any] = {}
     for name in ("micro_batches", "alpha"):
         if getattr(config, name) is None and saved.get(name) is not None:
             changes[name] = saved[name]
-    if config.placement is None and saved.get("placement") is not None:
+    if config.placement is None and config.cpu_memory_bytes is None and saved.get("placement") is not None:
         changes["placement"] = Placement(**saved["placement"])
     return dataclasses.replace(config, **changes) if changes else config
 

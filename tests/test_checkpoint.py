@@ -337,3 +337,24 @@ async def test_damaged_manifest_values_are_refused(tmp_path, field, value, says)
         with pytest.raises(SnakeError, match="load: .*" + says.replace("(", r"\(").replace("[", r"\[")):
             await t.load(where)
         assert t.engine is None
+
+
+@pytest.mark.asyncio
+async def test_resume_with_a_budget_plans_the_placement_under_it(tmp_path):
+    """placement=None with cpu_memory_bytes took the checkpoint's placement (all in CPU
+    memory here), over the budget, without a word (round 20's audit). With a budget the
+    planner places under it; micro_batches and alpha still come from the checkpoint."""
+    data = batches(4, 4)
+    where = tmp_path / "ckpt"
+    m6 = lambda: tiny_gpt(n_layer=6, bias=False, dropout=0.1)  # noqa: E731
+    async with SnakeTrainer(m6(), data=data, config=config(tmp_path, "a", placement=Placement.all_cpu())) as t:
+        await asyncio.wait_for(t.run(1), TIMEOUT)
+        await t.save(where)
+    # all in CPU memory needs ~5.2 MiB by the planner's model, everything on SSD ~3.5 MiB
+    budget = int(4.8 * 2**20)
+    cfg = config(tmp_path, "b", placement=None, micro_batches=None, alpha=None, cpu_memory_bytes=budget)
+    async with SnakeTrainer(m6(), data=data, config=cfg) as t:
+        await asyncio.wait_for(t.load(where), TIMEOUT)
+        assert (t.config.micro_batches, t.config.alpha) == (2, 0.3)
+        assert t.config.placement is not None and t.config.placement != Placement.all_cpu()
+        await asyncio.wait_for(t.run(1), TIMEOUT)
