@@ -93,7 +93,9 @@ async def test_io_error_surfaces(tmp_path, kind, op, actor):
 
 @pytest.mark.asyncio
 async def test_bad_later_batch_fails_in_data_actor(tmp_path):
-    data = batches(1, 4) + [(torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long))]
+    # three batches for run(3) (a list too short is refused up front), the second one bad
+    bad = (torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long))
+    data = [batches(1, 4)[0], bad, batches(1, 4)[0]]
     async with SnakeTrainer(tiny_gpt(bias=False), data=data, config=_config(tmp_path)) as trainer:
         err = await _fails_cleanly(trainer, "data", DataError)
         assert "shape" in str(err)
