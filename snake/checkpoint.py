@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -443,8 +444,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _siblings(target: Path, kind: str) -> list[Path]:
-    pattern = f".{target.name}.{kind}-*"
-    return sorted(target.parent.glob(pattern), key=lambda p: p.stat().st_mtime) if target.parent.is_dir() else []
+    """`target`'s own temporary ("tmp") or set-aside ("old") directories, oldest first: the
+    exact name and hex digits, so that another checkpoint's (a name with glob characters,
+    "ck*", or one that starts like this one's, "ck.tmp-x") never matches."""
+    if not target.parent.is_dir():
+        return []
+    own = re.compile(rf"\.{re.escape(target.name)}\.{kind}-[0-9a-f]+")
+    found = [p for p in target.parent.iterdir() if own.fullmatch(p.name)]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
 def _check_replaceable(target: Path) -> None:

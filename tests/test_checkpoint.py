@@ -358,3 +358,16 @@ async def test_resume_with_a_budget_plans_the_placement_under_it(tmp_path):
         assert (t.config.micro_batches, t.config.alpha) == (2, 0.3)
         assert t.config.placement is not None and t.config.placement != Placement.all_cpu()
         await asyncio.wait_for(t.run(1), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_save_leaves_other_checkpoints_leftovers_alone(tmp_path):
+    """A save cleans up its own crash leftovers by name; a glob of the name ('ck*') matched
+    another checkpoint's set-aside copy and would have moved or deleted it (round 20's
+    audit, from the code)."""
+    other = tmp_path / ".ckX.old-0123456789ab"  # another checkpoint's, kept by a crashed save
+    other.mkdir()
+    (other / "manifest.json").write_text("{}")
+    await asyncio.wait_for(first_half(tmp_path, batches(2, 4), 1, tmp_path / "ck*"), TIMEOUT)
+    assert (other / "manifest.json").read_text() == "{}"
+    assert (tmp_path / "ck*" / ckpt.MANIFEST).is_file()
