@@ -87,7 +87,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
     checkpoint already there). Works before the first run too (step 0, zero moments)."""
     trainer._check_usable()
     if trainer._running:
-        raise SnakeError("save: a run() or load() of this trainer is in progress; await it before saving")
+        raise SnakeError("save: a run(), save() or load() of this trainer is in progress; await it before saving")
     target = _resolve(directory)
     trainer._begin()
     try:

@@ -310,3 +310,15 @@ async def test_a_list_too_short_for_the_run_is_refused_up_front(tmp_path):
             await t.run(2)
         report = await t.run(1)
         assert len(report.steps) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_second_save_during_a_save_is_refused_by_name(tmp_path):
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(1, 4), config=config(tmp_path / "off")) as t:
+        await t.run(1)
+        first = asyncio.create_task(t.save(tmp_path / "a"))
+        await asyncio.sleep(0)  # the first save has begun
+        with pytest.raises(SnakeError, match=r"a run\(\), save\(\) or load\(\) of this trainer is in progress"):
+            await t.save(tmp_path / "b")
+        await first
+    assert (tmp_path / "a" / "manifest.json").is_file()
