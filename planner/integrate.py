@@ -16,6 +16,7 @@ Two situations:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -215,6 +216,20 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
         plan = await run_blocking(
             ex, lambda: plan_for_batch(model.config, config, b, t, str(trainer.device))
         )
+    trim_heap()
     if isinstance(plan, Infeasible):
         raise ConfigError("placement", None, f"cannot be planned: {plan.message}")
     return apply_plan(config, plan)
+
+
+def trim_heap() -> None:
+    """Give the memory glibc keeps of freed allocations back to the OS (malloc_trim). The
+    probes' buffers and temporaries (copies of 64 MiB, an AdamW over 4 M elements, blocks
+    at the micro-batch size) stayed in the process after planning: 205-213 MiB of RSS on
+    GPTs of width 256-512, 113-118 MiB after the trim (the rest is mostly modules the
+    probes import). No-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
