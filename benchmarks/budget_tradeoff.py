@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import json
 
-from common import RESULTS, SCRATCH, save  # type: ignore[import-not-found]
+from common import RESULTS, SCRATCH, planner_budget, save  # type: ignore[import-not-found]
 from throughput import first_at  # type: ignore[import-not-found]
 
 from planner import Infeasible, search
@@ -67,7 +67,7 @@ def main() -> None:
                                  else [x * 1e6 for x in numbers("--links", args.links)])
     rows = []
     for cap, mib, link in ((c, b, x) for c in caps for b in budgets for x in links):
-        prof = with_budgets(base, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=int(mib * 2**20),
+        prof = with_budgets(base, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=planner_budget(mib * 2**20, base),
                                               device_link_bytes_per_s=link))
         prof = dataclasses.replace(prof, ssd_read_bytes_per_s=cap, ssd_write_bytes_per_s=cap)
         curves: dict[str, list[tuple[int, float]]] = {}

@@ -258,6 +258,23 @@ def torch_loop(
     }
 
 
+def planner_budget(stated_bytes: float, profile: Any) -> int:
+    """The planner's cpu_memory_bytes for a benchmark budget `stated_bytes` (--budget-mib).
+
+    The benchmarks state budgets as the memory model stood until round 21: the placed data
+    and the CPU device's working set then modelled. Since then the planner's budget also
+    covers the runtime's overhead (`RUNTIME_OVERHEAD_BYTES`) and, on a CPU device (where
+    the device's working set is host memory), the parameter gradients (three times a
+    layer's and pre/post's) and the head's logits. Those are added here, so every recorded
+    command plans the placements it did (BENCHMARKS.md, round 21)."""
+    from snake.memory import HEAD_FP32_BYTES_PER_LOGIT, RUNTIME_OVERHEAD_BYTES
+
+    shape, db = profile.shape, profile.shape.dtype_bytes
+    working_set = (3 * (shape.layer_params + shape.resident_params) * db
+                   + shape.tokens_per_micro * shape.vocab_size * (db + HEAD_FP32_BYTES_PER_LOGIT))
+    return int(stated_bytes + RUNTIME_OVERHEAD_BYTES + (working_set if profile.device == "cpu" else 0))
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

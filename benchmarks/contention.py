@@ -52,6 +52,7 @@ from common import (  # type: ignore[import-not-found]
     make_batches,
     make_model,
     on_worker,
+    planner_budget,
     save,
     torch_loop,
 )
@@ -222,6 +223,7 @@ def part2(pairs: int, slope: float, ab: str | None, m: int = 16, budget_mib: flo
     SCRATCH.mkdir(parents=True, exist_ok=True)
     prof = on_worker(measure_profile, cfg, micro_batch_size=mbs, seq_len=32, device="cpu", offload_dir=SCRATCH,
                      ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=192 << 20)
+    budget = planner_budget(budget, prof)  # as stated (budget_mib) plus what the model counts since
     plan = search(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget,
                                                  device_link_bytes_per_s=link)),
                   schedule="vertical", n_micro=m)

@@ -68,11 +68,11 @@ def main() -> None:
     rows = []
     for m in ms:
         # budget: what the runtime needs with params + ckpts in CPU and half the optimizer
-        # states, plus the CPU device's own working set (the planner takes it off the budget)
-        from planner.solve import host_budget
+        # states, plus what the planner takes off the budget (the runtime's overhead and the
+        # CPU device's own working set)
+        from planner.solve import off_budget
         mem = host_memory(prof.shape, n_micro=m, alpha=0.25, schedule="vertical", workers=2)
-        _, dev = host_budget(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH)), m)
-        budget = int(mem.at(1.0, 1.0, 0.5) + dev)
+        budget = int(mem.at(1.0, 1.0, 0.5) + off_budget(prof, m))
         p_fixed = best_alpha(prof, m, alphas=ALPHAS, placement=OPT_ON_SSD)
         p_budget = best_alpha(with_budgets(prof, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)),
                               m, alphas=ALPHAS)

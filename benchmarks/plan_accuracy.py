@@ -39,7 +39,7 @@ from planner.integrate import MEASURE_MICRO_BATCH, profile_for_config, scale_pro
 from planner.profile import shape_of
 from planner.solve import Infeasible
 from snake import SnakeConfig
-from snake.memory import device_memory, host_memory
+from snake.memory import RUNTIME_OVERHEAD_BYTES, device_memory, host_memory
 
 
 def main() -> None:
@@ -59,7 +59,8 @@ def main() -> None:
         f.unlink()  # measure afresh each run
     shape1 = shape_of(cfg, 1, T, "float32")
     budget = int(host_memory(shape1, n_micro=B, alpha=0.0, schedule="vertical", workers=2).at(1, 1, 0.3)
-                 + (device_memory(shape1, n_micro=B) if device == "cpu" else 0))  # a CPU device's working set
+                 + (device_memory(shape1, n_micro=B) if device == "cpu" else 0)  # a CPU device's working set
+                 + RUNTIME_OVERHEAD_BYTES)
     settings = {
         "io_bound": dict(ssd_bandwidth_bytes_per_s=75e6, cpu_memory_bytes=budget),
         "compute_bound": dict(ssd_bandwidth_bytes_per_s=None, cpu_memory_bytes=None),

@@ -24,7 +24,7 @@ from snake.memory import ModelShape  # noqa: E402
 def profile() -> MachineProfile:
     shape = ModelShape(
         n_layers=24, layer_params=12 * 2048 * 2048, ckpt_elems=4 * 1024 * 2048,
-        resident_params=50304 * 2048, tokens_per_micro=4 * 1024, dtype_bytes=2,
+        resident_params=50304 * 2048, tokens_per_micro=4 * 1024, dtype_bytes=2, vocab_size=50304,
     )
     return MachineProfile(
         fwd_seconds=0.010, recompute_seconds=0.010, bwd_seconds=0.020, pre_post_seconds=0.015,

@@ -50,6 +50,7 @@ from common import (  # type: ignore[import-not-found]
     machine,
     model_flops_per_token,
     on_worker,
+    planner_budget,
     save,
     snake_run,
     torch_run,
@@ -58,7 +59,7 @@ from common import (  # type: ignore[import-not-found]
 from planner import Infeasible, measure_profile, search
 from planner.integrate import with_budgets
 from planner.model import vertical_phases
-from planner.solve import host_budget
+from planner.solve import host_budget, off_budget
 from snake import Placement, SnakeConfig
 from snake.memory import OPT_BYTES_PER_ELEM, host_memory
 
@@ -94,7 +95,8 @@ def min_opt_ssd_bytes(profile, budget: float, m: int, opt_bytes: float) -> float
     on SSD with their own traffic counted. (Before, the second end left the checkpoints'
     traffic out: harmless for 64 KiB checkpoints, but at seq 512 on a GPU it put the bound
     at 0.6 of the best plan's SSD bytes, BENCHMARKS.md section 8.)"""
-    room, _ = host_budget(with_budgets(profile, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget)), m)
+    planned = planner_budget(budget, profile)
+    room, _ = host_budget(with_budgets(profile, SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=planned)), m)
     sh = profile.shape
     ckpt_bytes = sh.n_layers * m * sh.ckpt_elems * sh.dtype_bytes
     best = float("inf")
@@ -316,7 +318,7 @@ def main() -> None:
         checked_warmup(args)
     steps, warmup = (2, 1) if args.quick else (args.steps, args.warmup)
     cfg = gpt_config(L, C, T)
-    budget = int(args.budget_mib * 2**20)
+    budget = int(args.budget_mib * 2**20)  # as stated; the planner gets planner_budget(budget)
     link = None if args.link_mb is None else args.link_mb * 1e6
     t_start = time.perf_counter()
 
@@ -332,10 +334,12 @@ def main() -> None:
             ssd_bandwidth_bytes_per_s=cap, cache=False, io_bytes=(64 if args.quick else 192) << 20,
         )
     opt_bytes = L * cfg.block_params() * OPT_BYTES_PER_ELEM
+    planned = planner_budget(budget, profiles["capped"])
 
-    # the budget in the runtime's own memory model (snake.memory.host_memory)
+    # the budget in the runtime's own memory model (snake.memory.host_memory), as stated
+    # (common.planner_budget): the CPU device's working set as modelled until round 21
     shape = profiles["capped"].shape
-    _, dev = host_budget(profiles["capped"], 1)
+    dev = off_budget(profiles["capped"], 1) - planner_budget(0, profiles["capped"])
     budget_model = {}
     for sched in ("vertical", "horizontal"):
         mem = host_memory(shape, n_micro=1, alpha=0.0, schedule=sched, workers=2)
@@ -354,7 +358,7 @@ def main() -> None:
     for m in ms:
         common = dict(micro_batches=m, micro_batch_size=MB, seq=T, steps=steps, warmup=warmup, device=device)
         for label, cap in caps.items():
-            prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=budget,
+            prof = with_budgets(profiles[label], SnakeConfig(offload_dir=SCRATCH, cpu_memory_bytes=planned,
                                                              device_link_bytes_per_s=link))
             min_io[label].append(min_opt_ssd_bytes(profiles[label], budget, m, opt_bytes))
             for sched in ("vertical", "horizontal"):
@@ -364,7 +368,7 @@ def main() -> None:
                 pj = plan_json(plan)
                 plans[label][sched].append(pj)
                 r = snake_run(cfg, placement=plan.placement, alpha=plan.alpha, schedule=sched, cap=cap,
-                              cpu_memory_bytes=budget, link=link, **common)
+                              cpu_memory_bytes=planned, link=link, **common)
                 r["plan"] = pj
                 runs.setdefault(f"{sched}_{label}", []).append(r)
                 pl = pj["placement"]
@@ -394,7 +398,7 @@ def main() -> None:
                         r = torch_run(cfg, activation_checkpointing=True, **common)
                     else:
                         r = snake_run(cfg, placement=Placement(**pj["placement"]), alpha=pj["alpha"], schedule="vertical",
-                                      cap=ssd_cap, cpu_memory_bytes=budget, link=link, **common)
+                                      cap=ssd_cap, cpu_memory_bytes=planned, link=link, **common)
                     repeats[side][i].append(r)
                     print(f"roofline round {rnd} M={m:2d} {side:16s} {r['tokens_per_s']:7.1f} tok/s", flush=True)
 

@@ -21,7 +21,7 @@ from typing import Any
 from planner.profile import MachineProfile, measure_profile
 from planner.roofline import plot_roofline, roofline
 from planner.search import search
-from planner.solve import Infeasible, Plan, predict_horizontal
+from planner.solve import Infeasible, Plan, off_budget, predict_horizontal
 from snake.cli import device_name, positive_int
 from snake.config import MIN_SSD_BANDWIDTH
 from snake.errors import ConfigError
@@ -119,6 +119,7 @@ def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) ->
         "binding": list(plan.binding),
         "layer_seconds": plan.layer_seconds,
         "host_memory_bytes": plan.host_memory_bytes,
+        "host_off_budget_bytes": off_budget(profile, plan.n_micro),
         "ssd_bytes_per_iteration": plan.ssd_bytes_per_iteration,
         "horizontal_iteration_seconds_same_placement": horizontal_seconds,
         "profile": profile.to_json(),
@@ -136,7 +137,8 @@ def format_table(d: dict) -> str:
         ("iteration", f"{d['predicted_iteration_seconds']:.4g} s"),
         ("throughput", f"{d['predicted_tokens_per_s']:.4g} tokens/s"),
         ("binding", ", ".join(d["binding"]) or "-"),
-        ("host memory", f"{d['host_memory_bytes'] / gib:.2f} of {prof['cpu_memory_bytes'] / gib:.2f} GiB"),
+        ("host memory", f"{(d['host_memory_bytes'] + d['host_off_budget_bytes']) / gib:.2f} of "
+         f"{prof['cpu_memory_bytes'] / gib:.2f} GiB ({d['host_memory_bytes'] / gib:.2f} placed data)"),
         ("SSD traffic", f"{d['ssd_bytes_per_iteration'] / gib:.3f} GiB/iteration"),
         ("horizontal, same", f"{d['horizontal_iteration_seconds_same_placement']:.4g} s/iteration"),
         ("measured", f"fwd {prof['fwd_seconds'] * 1e3:.3g} ms, recompute "

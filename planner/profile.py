@@ -91,7 +91,8 @@ class MachineProfile:
 
     @classmethod
     def from_json(cls, d: dict) -> MachineProfile:
-        return cls(**{**d, "shape": ModelShape(**d["shape"])})
+        # profiles saved before the head's working set was modelled have no vocab_size: none
+        return cls(**{**d, "shape": ModelShape(**{"vocab_size": 0, **d["shape"]})})
 
 
 def shape_of(model_cfg: GPTConfig, micro_batch_size: int, seq_len: int, dtype: str) -> ModelShape:
@@ -116,6 +117,7 @@ def shape_of(model_cfg: GPTConfig, micro_batch_size: int, seq_len: int, dtype: s
         resident_params=resident,
         tokens_per_micro=micro_batch_size * seq_len,
         dtype_bytes=DTYPE_BYTES[dtype],
+        vocab_size=model_cfg.vocab_size,
     )
 
 

@@ -2,7 +2,7 @@
 
 Variables: x = (param, ckpt, opt) CPU shares in [0, 1] and one time per phase of the
 schedule (vertical: t_f, t_b). Rows: host memory (`snake.memory.host_memory`, exactly what
-the runtime allocates) <= the CPU budget, and every resource bound of `planner.model`
+the runtime allocates) <= the CPU budget less `off_budget`, and every resource bound of `planner.model`
 (compute, CPU Adam, host<->device, SSD) per phase. Objective: per-layer time plus a small
 penalty on SSD traffic, so that spare CPU memory still takes traffic off the SSD; in that
 penalty each SSD operation also counts OP_SECONDS, so that between placements of equal
@@ -27,7 +27,7 @@ import numpy as np
 from planner.model import KINDS, Phase, layer_seconds, phases_for, ssd_bytes
 from planner.profile import MachineProfile
 from snake.config import Placement
-from snake.memory import LinearMemory, device_memory, host_memory
+from snake.memory import RUNTIME_OVERHEAD_BYTES, LinearMemory, device_memory, host_memory
 
 GiB = float(1 << 30)
 SSD_PENALTY = 1e-4  # objective weight of SSD seconds relative to iteration seconds
@@ -88,12 +88,18 @@ def _check(alpha: float, n_micro: int, schedule: str) -> None:
         raise ValueError(f"schedule={schedule!r} must be 'vertical' or 'horizontal'")
 
 
+def off_budget(profile: MachineProfile, n_micro: int) -> float:
+    """Host bytes the placement cannot use: the runtime's overhead (threads, lazily imported
+    modules, allocator slack: `RUNTIME_OVERHEAD_BYTES`) and, on a CPU device, the device's
+    working set, which is host memory there."""
+    dev = device_memory(profile.shape, n_micro=n_micro) if profile.device == "cpu" else 0.0
+    return dev + RUNTIME_OVERHEAD_BYTES
+
+
 def host_budget(profile: MachineProfile, n_micro: int) -> tuple[float, float]:
-    """(host bytes the placement may use, device bytes). On a CPU device the device's
-    working set is host memory too, so it comes off the host budget."""
+    """(host bytes the placement may use, device bytes): the CPU budget less `off_budget`."""
     dev = device_memory(profile.shape, n_micro=n_micro)
-    on_host = dev if profile.device == "cpu" else 0.0
-    return profile.cpu_memory_bytes - on_host, dev
+    return profile.cpu_memory_bytes - off_budget(profile, n_micro), dev
 
 
 def memory_check(
@@ -119,6 +125,7 @@ def memory_check(
     if need <= budget:
         return None
     extra = f" + {fmt_bytes(dev)} device working set on the CPU" if profile.device == "cpu" else ""
+    extra += f" + {fmt_bytes(RUNTIME_OVERHEAD_BYTES)} runtime overhead"
     return Infeasible(
         resource="cpu_memory", short_by=need - budget, unit="bytes",
         message=f"CPU memory: need {fmt_bytes(need)} {what} at n={n_micro}{extra}, have "

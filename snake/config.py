@@ -103,8 +103,10 @@ class SnakeConfig:
     device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
     schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
     cpu_memory_bytes / device_memory_bytes: memory budgets for the planner; None: what the
-        machine has. Only the planner reads them, when any of micro_batches / placement /
-        alpha is None; a fixed plan (all three given) is not checked against them.
+        machine has. cpu_memory_bytes bounds the process's growth while training: placed
+        data, a CPU device's working set and the runtime's overhead (`snake.memory`). Only
+        the planner reads them, when any of micro_batches / placement / alpha is None; a
+        fixed plan (all three given) is not checked against them.
     ssd_bandwidth_bytes_per_s: cap on SSD reads+writes (token bucket), for experiments; at
         least 1 MB/s; None: no cap.
     device_link_bytes_per_s: cap on host<->device transfers, each direction its own token

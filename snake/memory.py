@@ -25,7 +25,8 @@ class ModelShape:
 
     layer_params: elements of one block. ckpt_elems: elements of one block's input for one
     micro-batch (batch x seq x hidden). resident_params: pre/post elements (embeddings, head).
-    tokens_per_micro: target tokens of one micro-batch."""
+    tokens_per_micro: target tokens of one micro-batch. vocab_size: logits per token of the
+    head (0: a model without one)."""
 
     n_layers: int
     layer_params: int
@@ -33,6 +34,7 @@ class ModelShape:
     resident_params: int
     tokens_per_micro: int
     dtype_bytes: int
+    vocab_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +126,42 @@ def host_memory(
     return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
 
 
+# What the process holds beyond the runtime's data and the compute's working set: the
+# runtime's threads, torch modules imported lazily during the first iteration
+# (`torch.autograd.grad` with `grad_outputs` imports torch.fx's symbolic shapes and sympy:
+# 34 MiB), what glibc keeps of freed temporaries, and what a first planning's probes leave
+# behind (after `planner.integrate.trim_heap`). Measured as peak RSS growth minus both
+# models: 60-75 MiB for the runtime alone on GPTs of width 256 (placements 0 to 1, M 1-8,
+# both schedules, alpha 0 and 0.3, 1-4 optimizer workers), 18-24 MiB more than 96 MiB with
+# a planning (tests/test_memory_budget.py).
+RUNTIME_OVERHEAD_BYTES = 128 * 2**20
+# The head's peak per logit beyond its parameters: the logits in the compute dtype and, in
+# fp32, their log-softmax, its gradient and the logits' gradient. Measured (peak RSS of a
+# forward + backward of GPT's head and cross-entropy, 1-2 k tokens, vocab 32 k-50 k):
+# 16.2-16.4 bytes per logit in float32, 14.2-14.4 in bfloat16.
+HEAD_FP32_BYTES_PER_LOGIT = 12
+
+
 def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSizes()) -> float:
     """Device bytes: parameter slots, one fp32 gradient accumulator, resident pre/post with
-    fp32 gradients, and a working set of a few micro-batches' activations (block internals
-    are ~ 16 x the block input for a GPT block during recompute+backward)."""
+    fp32 gradients, and the working set of one micro-batch's compute:
+    - a few micro-batches' block inputs and the block's internals (~ 16 x the block input
+      for a GPT block during recompute + backward);
+    - the parameter gradients as autograd returns them (a layer's, and pre/post's: the
+      embedding's twice when it is tied to the head), and twice as much again that the
+      allocator keeps of such temporaries between calls (measured on a CPU device: without
+      this term GPTs of width 512-1536 went 40-190 MiB over the model, and a 16 k vocabulary
+      8 MiB);
+    - the head's logits (`HEAD_FP32_BYTES_PER_LOGIT`): tokens x vocab x (dtype + 12) bytes,
+      the largest single term for a GPT-2 vocabulary (0.8 GiB at 1,024 tokens in float32)."""
     p, c, db = shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
+    head = shape.tokens_per_micro * shape.vocab_size * (db + HEAD_FP32_BYTES_PER_LOGIT)
     return float(
         pools.device_param_slots * p * db
         + 2 * p * 4
         + shape.resident_params * (db + 4)
         + (n_micro + 4) * c * db
         + 16 * c * 4
+        + 3 * (p + shape.resident_params) * db
+        + head
     )

@@ -54,7 +54,7 @@ async def test_delayed_gradients_reuse_param_memory(tmp_path, param, dtype, dedi
         # the planner's model charges the same dedicated bytes
         db = torch.empty((), dtype=e.dtype).element_size()
         shape = ModelShape(n_layers=e.N, layer_params=e.P, ckpt_elems=e.ckpt_elems, resident_params=0,
-                           tokens_per_micro=1, dtype_bytes=db)
+                           tokens_per_micro=1, dtype_bytes=db, vocab_size=0)
         with_alpha = host_memory(shape, n_micro=2, alpha=e.alpha, schedule="vertical", workers=2)
         without = host_memory(shape, n_micro=2, alpha=0.0, schedule="vertical", workers=2)
         x = (param, 1.0, 0.5)

@@ -68,7 +68,7 @@ async def test_checkpoints_whole_units_within_the_memory_model(tmp_path, ckpt, s
         pools = [e.pools[k] for k in ("ckpt_in", "ckpt_out") if e.pools[k] is not None]
         runtime = st.cpu_bytes() + sum(p.size for p in pools) * st.max_tail_bytes
         shape = ModelShape(n_layers=n_layer, layer_params=e.P, ckpt_elems=e.ckpt_elems, resident_params=0,
-                           tokens_per_micro=1, dtype_bytes=st.esize)
+                           tokens_per_micro=1, dtype_bytes=st.esize, vocab_size=0)
         mem = host_memory(shape, n_micro=micro, alpha=0.0, schedule=schedule, workers=2)
         # the model's checkpoint part: its share coefficient, plus the pools' fixed bound
         # (two pools of (micro + 1) units and their extras)

@@ -58,7 +58,7 @@ async def test_planner_counts_the_ssd_operations_the_runtime_makes(tmp_path, sch
             if s.start_s >= t0 and s.actor in ("ssd_read", "ssd_write"):
                 traced[s.name.split()[0]] += 1
     shape = ModelShape(n_layers=n_layer, layer_params=1, ckpt_elems=1, resident_params=1, tokens_per_micro=1,
-                       dtype_bytes=4)
+                       dtype_bytes=4, vocab_size=1)
     profile = MachineProfile(
         fwd_seconds=1.0, recompute_seconds=1.0, bwd_seconds=1.0, pre_post_seconds=1.0, h2d_bytes_per_s=1.0,
         d2h_bytes_per_s=1.0, ssd_read_bytes_per_s=1.0, ssd_write_bytes_per_s=1.0, adam_elems_per_s=1.0,

@@ -22,6 +22,7 @@ def synthetic_profile(**changes) -> MachineProfile:
         resident_params=50304 * 2048,
         tokens_per_micro=4 * 1024,
         dtype_bytes=2,
+        vocab_size=50304,
     )
     base = MachineProfile(
         fwd_seconds=0.010,

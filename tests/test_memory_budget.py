@@ -1,0 +1,72 @@
+"""The planner's `cpu_memory_bytes` holds for the real process: a run planned under a budget
+grows the process's RSS by no more than the budget (what the memory model counts: placed
+data, the CPU device's working set with the head's logits, the runtime's overhead), and
+the head's working set per logit is what `snake.memory` says. Fresh processes, so the
+growth measured is snake's (tests/budget_child.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snake.memory import HEAD_FP32_BYTES_PER_LOGIT
+
+ROOT = Path(__file__).resolve().parents[1]
+# glibc's keeping of freed temporaries varies run to run: the steady peak of one config
+# moved by up to 20 MiB between runs (10-110 MiB under the budget in a sweep of 7 configs)
+ALLOCATOR_NOISE = 1.05
+
+
+def child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tests.budget_child", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("args", [
+    (),  # GPT 8 x 256: the optimizer states split between CPU memory and SSD
+    ("--layers", "4", "--vocab", "16384", "--seq", "64"),  # a head of 128 MiB of logits per micro-batch
+], ids=["gpt8x256", "large-vocab"])
+def test_planned_run_stays_within_cpu_memory_bytes(args):
+    r = child(*args)
+    assert 0.0 < r["placement"][2] < 1.0, r  # the budget binds: part of the optimizer states on SSD
+    assert r["steady"] <= r["budget"] * ALLOCATOR_NOISE, (
+        f"peak RSS growth {r['steady'] / 2**20:.1f} MiB over a budget of {r['budget'] / 2**20:.1f} MiB")
+
+
+HEAD = """
+import sys, torch, torch.nn.functional as F
+from snake.models.gpt import GPT, GPTConfig
+def status(k):
+    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(k + ':'))
+V, T, dtype = 8192, int(sys.argv[2]), getattr(torch, sys.argv[1])
+m = GPT(GPTConfig(n_layer=0, n_embd=128, n_head=4, vocab_size=V, block_size=T)).to(dtype)
+idx, tg = torch.randint(0, V, (1, T)), torch.randint(0, V, (T,))
+base = status('VmRSS'); open('/proc/self/clear_refs', 'w').write('5')
+logits = m(idx)  # as snake.kernels.Kernels.head: logits, fp32 cross-entropy, backward
+F.cross_entropy(logits.float().reshape(-1, V), tg).backward()
+print(status('VmHWM') - base)
+"""
+
+
+def head_peak(dtype: str, tokens: int) -> int:
+    out = subprocess.run([sys.executable, "-c", HEAD, dtype, str(tokens)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout)
+
+
+@pytest.mark.parametrize("dtype,size", [("float32", 4), ("bfloat16", 2)])
+def test_head_working_set_per_logit(dtype, size):
+    """The head's peak grows by `dtype + HEAD_FP32_BYTES_PER_LOGIT` bytes per logit: the slope
+    between two sizes (each peak also holds a constant 13-18 MiB: libraries, allocator, the
+    embedding's gradient, which the runtime's overhead and resident terms count)."""
+    small, large = 1024, 3072
+    per_logit = (head_peak(dtype, large) - head_peak(dtype, small)) / ((large - small) * 8192)
+    model = size + HEAD_FP32_BYTES_PER_LOGIT
+    assert 0.95 * model <= per_logit <= 1.05 * model, (per_logit, model)
