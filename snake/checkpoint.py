@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
     if trainer._running:
         raise SnakeError("save: a run(), save() or load() of this trainer is in progress; await it before saving")
     target = _resolve(directory)
+    _check_save_target(target)  # before the delayed steps are flushed: a bad path changes nothing
     trainer._begin()
     try:
         e = trainer.engine
@@ -350,6 +352,8 @@ def _save_blocking(
     tmp = parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(mode=0o755)
     try:
+        if target.is_dir():  # the checkpoint replaces it: keep the permissions the user gave it
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
         files: dict[str, Any] = {}
         meta = {"format": FORMAT}
         read_layer = _engine_layers(e) if e is not None else _model_layer(parts)
@@ -452,6 +456,21 @@ def _siblings(target: Path, kind: str) -> list[Path]:
     own = re.compile(rf"\.{re.escape(target.name)}\.{kind}-[0-9a-f]+")
     found = [p for p in target.parent.iterdir() if own.fullmatch(p.name)]
     return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def _check_save_target(target: Path) -> None:
+    """A path save() can write: replaceable (`_check_replaceable`), and its nearest existing
+    ancestor a directory (else mkdir fails with a bare FileExistsError or NotADirectoryError
+    after the delayed steps were flushed)."""
+    _check_replaceable(target)
+    for p in target.parents:
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise SnakeError(
+                    f"save: {p} is not a directory, so {target} cannot be created under it; "
+                    "pick a checkpoint path under a directory"
+                )
+            return
 
 
 def _check_replaceable(target: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -371,3 +372,40 @@ async def test_save_leaves_other_checkpoints_leftovers_alone(tmp_path):
     await asyncio.wait_for(first_half(tmp_path, batches(2, 4), 1, tmp_path / "ck*"), TIMEOUT)
     assert (other / "manifest.json").read_text() == "{}"
     assert (tmp_path / "ck*" / ckpt.MANIFEST).is_file()
+
+
+@pytest.mark.asyncio
+async def test_save_keeps_the_target_directorys_mode(tmp_path):
+    """A save replaces its target directory with the checkpoint's: a directory the user made
+    0700 (an empty one, or a checkpoint saved there before) stays 0700, where the checkpoint
+    came out 0755; a new target gets the default (0755 less the umask)."""
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    async with SnakeTrainer(model(), data=batches(2, 4), config=config(tmp_path, "mode")) as t:
+        await asyncio.wait_for(t.run(1), TIMEOUT)
+        for _ in range(2):  # into the empty directory, then over the checkpoint there
+            await asyncio.wait_for(t.save(private), TIMEOUT)
+            assert private.stat().st_mode & 0o777 == 0o700
+            assert (private / ckpt.MANIFEST).is_file()
+        await asyncio.wait_for(t.save(tmp_path / "new"), TIMEOUT)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755 & ~umask
+
+
+@pytest.mark.asyncio
+async def test_save_under_a_file_is_refused_before_anything_changes(tmp_path):
+    """A checkpoint path under a regular file was a bare FileExistsError from mkdir, after
+    the delayed optimizer steps had been flushed; now a SnakeError naming the file, before
+    the flush, and the trainer runs on."""
+    (tmp_path / "afile").write_text("x")
+    async with SnakeTrainer(model(), data=batches(3, 4), config=config(tmp_path, "file")) as t:
+        await asyncio.wait_for(t.run(1), TIMEOUT)
+        flushes = []
+        flush = t._flush
+        t._flush = lambda what: flushes.append(what) or flush(what)  # type: ignore[method-assign]
+        with pytest.raises(SnakeError, match="afile is not a directory"):
+            await t.save(tmp_path / "afile" / "ck")
+        assert flushes == []
+        await asyncio.wait_for(t.run(1), TIMEOUT)
