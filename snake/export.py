@@ -41,6 +41,10 @@ def gpt_to_gpt2(config: dict[str, Any], masters: dict[str, torch.Tensor]) -> tup
         n_head=config["n_head"], activation_function="gelu", resid_pdrop=config["dropout"],
         embd_pdrop=config["dropout"], attn_pdrop=config["dropout"], layer_norm_epsilon=1e-5,
         tie_word_embeddings=True,
+        # the built-in GPT has no special tokens; GPT2Config's default (50256, GPT-2's
+        # <|endoftext|>) is out of range of a smaller vocabulary: transformers warned of
+        # "unexpected behavior" on every load, and generate() would never see that token
+        bos_token_id=None, eos_token_id=None,
     )
     sd: dict[str, torch.Tensor] = {"transformer.wte.weight": masters["wte.weight"], "transformer.wpe.weight": masters["wpe.weight"]}
     sd["lm_head.weight"] = masters["wte.weight"]

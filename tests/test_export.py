@@ -34,6 +34,10 @@ async def test_builtin_gpt_exports_as_gpt2(tmp_path, bias):
     x = data[0][0]
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-4, atol=1e-5)
+    # no special token ids of GPT-2's 50257-token vocabulary (out of this one's range)
+    assert hf.config.bos_token_id is None and hf.config.eos_token_id is None
+    out = hf.generate(x[:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
 
 
 @pytest.mark.asyncio
