@@ -352,7 +352,15 @@ async def test_resume_with_a_budget_plans_the_placement_under_it(tmp_path):
         await asyncio.wait_for(t.run(1), TIMEOUT)
         await t.save(where)
     # all in CPU memory needs ~5.2 MiB by the planner's model, everything on SSD ~3.5 MiB
-    budget = int(4.8 * 2**20)
+    # (the placed data and the CPU device's working set as modelled until round 21), plus
+    # what it counts since: the runtime's overhead, gradients and the head's logits
+    from planner.profile import shape_of
+    from snake.memory import HEAD_FP32_BYTES_PER_LOGIT, RUNTIME_OVERHEAD_BYTES
+
+    sh = shape_of(m6().config, 2, 16, "float32")
+    since = (RUNTIME_OVERHEAD_BYTES + 3 * (sh.layer_params + sh.resident_params) * 4
+             + sh.tokens_per_micro * sh.vocab_size * (4 + HEAD_FP32_BYTES_PER_LOGIT))
+    budget = int(4.8 * 2**20) + since
     cfg = config(tmp_path, "b", placement=None, micro_batches=None, alpha=None, cpu_memory_bytes=budget)
     async with SnakeTrainer(m6(), data=data, config=cfg) as t:
         await asyncio.wait_for(t.load(where), TIMEOUT)
