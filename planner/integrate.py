@@ -29,6 +29,7 @@ from snake.errors import ConfigError
 from snake.memory import ModelShape
 
 if TYPE_CHECKING:  # importing the model pulls in torch; the planner's core does not need it
+    from snake.adapters import ModelParts
     from snake.models.gpt import GPTConfig
 
 
@@ -44,10 +45,12 @@ def proxy_config(shape: ModelShape, seq_len: int) -> GPTConfig:
 
 
 def profile_for_config(
-    model: GPTConfig | ModelShape, config: SnakeConfig, micro_batch_size: int, seq_len: int,
+    model: GPTConfig | ModelShape | ModelParts, config: SnakeConfig, micro_batch_size: int, seq_len: int,
     device: str,
 ) -> MachineProfile:
-    """Measured (or cached) profile with the config's memory budgets applied."""
+    """Measured (or cached) profile with the config's memory budgets applied. model: a GPT
+    config, a shape (a GPT block of its width is timed) or any described model (its own
+    blocks, embedding and head are timed)."""
     cfg = proxy_config(model, seq_len) if isinstance(model, ModelShape) else model
     profile = measure_profile(
         cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, device=str(device),
@@ -73,7 +76,7 @@ def with_budgets(profile: MachineProfile, config: SnakeConfig) -> MachineProfile
 
 
 def plan_for_config(
-    model: GPTConfig | ModelShape,
+    model: GPTConfig | ModelShape | ModelParts,
     config: SnakeConfig,
     micro_batch_size: int,
     seq_len: int,
@@ -149,7 +152,7 @@ def affine_profile(a: MachineProfile, b: MachineProfile, ratio: float) -> Machin
 
 
 def plan_for_batch(
-    model: GPTConfig | ModelShape,
+    model: GPTConfig | ModelShape | ModelParts,
     config: SnakeConfig,
     global_batch_size: int,
     seq_len: int,
@@ -206,15 +209,13 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
 
     config: SnakeConfig = trainer.config
     model = trainer.parts.model
-    if not isinstance(model, GPT):
-        raise ConfigError(
-            "placement", None, "can only be planned for the built-in GPT so far",
-            "set micro_batches, placement and alpha explicitly",
-        )
+    # the built-in GPT by its config (fresh blocks are timed, as `snake plan` does); any other
+    # model (Hugging Face, ModelParts) by its own blocks, embedding and head
+    what: GPTConfig | ModelParts = model.config if isinstance(model, GPT) else trainer.parts
     b, t = int(first[0].shape[0]), int(first[0].shape[1])
     with ThreadPoolExecutor(1, thread_name_prefix="snake-planner", initializer=name_native_thread) as ex:
         plan = await run_blocking(
-            ex, lambda: plan_for_batch(model.config, config, b, t, str(trainer.device))
+            ex, lambda: plan_for_batch(what, config, b, t, str(trainer.device))
         )
     trim_heap()
     if isinstance(plan, Infeasible):

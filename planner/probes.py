@@ -6,6 +6,7 @@ median. Everything it allocates is freed when it returns; the SSD probe removes 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import mmap
 import os
@@ -19,10 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from snake.config import AdamW
+from snake.adapters import ModelParts, describe
+from snake.config import AdamW, SnakeConfig
 from snake.device import pin_host_memory, synchronize
 from snake.io import open_storage
 from snake.io.base import TokenBucket
+from snake.kernels import TORCH_DTYPES, Kernels
 from snake.models.gpt import GPT, Block
 from snake.optim import adamw_step
 
@@ -73,40 +76,39 @@ def settle_allocator() -> None:
     del chunk
 
 
-def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float):
+def block_seconds(
+    cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float, *, parts: ModelParts | None = None
+):
     """(forward, recompute, backward) seconds of one Block on one micro-batch.
 
-    Cycles through enough distinct blocks to overflow the CPU's caches (up to 8, ~64 MiB of
-    weights), as training does: each stage brings another layer's weights. Timing one block
-    over and over keeps its weights in cache and under-reports by up to ~2x on a CPU."""
-    one = Block(cfg)
-    per_block = sum(p.numel() for p in one.parameters()) * torch.empty((), dtype=dtype).element_size()
+    parts: time that model's own blocks (copies of its first ones; any described model)
+    instead of fresh built-in GPT Blocks of `cfg`. Cycles through enough distinct blocks to
+    overflow the CPU's caches (up to 8, ~64 MiB of weights), as training does: each stage
+    brings another layer's weights. Timing one block over and over keeps its weights in
+    cache and under-reports by up to ~2x on a CPU."""
+    if parts is None:
+        parts = describe(GPT(dataclasses.replace(cfg, n_layer=1)))
+        hidden = cfg.n_embd
+        new_block = lambda i: Block(cfg)  # noqa: E731
+    else:
+        hidden = hidden_size(parts)
+        new_block = lambda i: copy.deepcopy(parts.blocks[i % len(parts.blocks)])  # noqa: E731
+    per_block = sum(p.numel() for p in parts.blocks[0].parameters()) * torch.empty((), dtype=dtype).element_size()
     n_blocks = 1 if device.type == "cuda" else max(1, min(8, -(-64 * MiB // per_block)))
-    blocks = [one.to(device=device, dtype=dtype)] + [
-        Block(cfg).to(device=device, dtype=dtype) for _ in range(n_blocks - 1)
-    ]
+    blocks = [new_block(i).to(device=device, dtype=dtype) for i in range(n_blocks)]
     turn = [0]
 
     def next_block() -> torch.nn.Module:
         turn[0] = (turn[0] + 1) % len(blocks)
         return blocks[turn[0]]
 
-    x = torch.randn(mb, seq, cfg.n_embd, device=device, dtype=dtype)
+    x = torch.randn(mb, seq, hidden, device=device, dtype=dtype)
     xr = x.clone().requires_grad_(True)
     grad_out = torch.randn_like(x)
 
     # the runtime's own kernels (the shell block bound to a device slot, RNG seeding, fp32
     # gradient accumulation), so the profile includes what the compute actor really pays
-    from snake.adapters import describe
-    from snake.config import SnakeConfig
-    from snake.kernels import TORCH_DTYPES, Kernels
-
-    name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
-    kernels = Kernels(
-        describe(GPT(dataclasses.replace(cfg, n_layer=1))),
-        SnakeConfig(offload_dir=".", micro_batches=1, dtype=name),  # type: ignore[arg-type]
-        device, 1,
-    )
+    kernels = _kernels(parts, device, dtype)
     slots = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in blocks]
     acc = torch.zeros(kernels.layer_params, dtype=torch.float32, device=device)
 
@@ -119,7 +121,7 @@ def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: 
 
     def recompute() -> None:
         with torch.enable_grad():
-            next_block()(xr)
+            parts.block_fn(next_block(), xr)
 
     def bwd_total() -> None:
         kernels.block_bwd(next_slot(), x, grad_out, acc, t=0, layer=0, m=0, accumulate=True)
@@ -166,8 +168,34 @@ def block_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: 
         return out
 
     # on a worker thread, as the runtime's compute actor runs its kernels
-    with ThreadPoolExecutor(1, thread_name_prefix="snake-probe") as ex:
-        return ex.submit(measure_passes).result()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="snake-probe") as ex:
+            return ex.submit(measure_passes).result()
+    finally:
+        kernels.restore_modes()  # Kernels put the model in train mode
+
+
+def _kernels(parts: ModelParts, device: torch.device, dtype) -> Kernels:
+    name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+    config = SnakeConfig(offload_dir=".", micro_batches=1, dtype=name)  # type: ignore[arg-type]
+    return Kernels(parts, config, device, 1)
+
+
+def hidden_size(parts: ModelParts) -> int:
+    """The width of a described model's block inputs: its embedding's output on one token."""
+    model = parts.model
+    p = next(model.parameters())
+    with torch.no_grad():
+        return int(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).shape[-1])
+
+
+def vocab_size(parts: ModelParts) -> int:
+    """Logits per token of a described model: its head's output on one hidden state."""
+    model = parts.model
+    p = next(model.parameters())
+    h = torch.zeros(1, 1, hidden_size(parts), dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        return int(parts.post(model, h).shape[-1])
 
 
 def combine_block_passes(passes: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
@@ -184,8 +212,14 @@ def combine_block_passes(passes: list[tuple[float, float, float]]) -> tuple[floa
     return min(f, r), r, total - r
 
 
-def pre_post_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float) -> float:
-    """Embedding + final norm + tied head + cross-entropy, forward and backward."""
+def pre_post_seconds(
+    cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float, *, parts: ModelParts | None = None
+) -> float:
+    """Embedding + final norm + tied head + cross-entropy, forward and backward. parts: that
+    model's pre and post through the runtime's kernels (embedding forward, head and loss
+    forward and backward, embedding recompute and backward), where `cfg` is not used."""
+    if parts is not None:
+        return _parts_pre_post_seconds(parts, mb, seq, device, dtype, seconds)
     model = GPT(dataclasses.replace(cfg, n_layer=0)).to(device=device, dtype=dtype)
     idx = torch.randint(0, cfg.vocab_size, (mb, seq), device=device)
     targets = torch.randint(0, cfg.vocab_size, (mb * seq,), device=device)
@@ -197,6 +231,24 @@ def pre_post_seconds(cfg, mb: int, seq: int, device: torch.device, dtype, second
         model.zero_grad(set_to_none=True)
 
     return _median_seconds(step, device, seconds)
+
+
+def _parts_pre_post_seconds(parts: ModelParts, mb: int, seq: int, device: torch.device, dtype,
+                            seconds: float) -> float:
+    vocab = vocab_size(parts)
+    kernels = _kernels(parts, device, dtype)
+    idx = torch.randint(0, vocab, (mb, seq), device=device)
+    targets = torch.randint(0, vocab, (mb, seq), device=device)
+
+    def step() -> None:
+        h = kernels.pre(idx, 0, 0)
+        _, gh = kernels.head(h, targets, 0, 0)
+        kernels.pre_bwd(idx, gh, 0, 0)
+
+    try:
+        return _median_seconds(step, device, seconds)
+    finally:
+        kernels.restore_modes()
 
 
 def copy_bytes_per_s(device: torch.device, nbytes: int, seconds: float) -> tuple[float, float]:
@@ -270,20 +322,21 @@ def ssd_bytes_per_s(
 
 def measure_all(
     cfg, *, micro_batch_size: int, seq_len: int, device: str, dtype: str, offload_dir: Path,
-    cap: float | None, io_bytes: int, seconds: float,
+    cap: float | None, io_bytes: int, seconds: float, parts: ModelParts | None = None,
 ) -> dict[str, float]:
-    """Every measured field of a MachineProfile (memory excluded), as a dict."""
+    """Every measured field of a MachineProfile (memory excluded), as a dict. parts: time
+    that model's blocks and pre/post (`cfg` unused), else built-in GPT ones of `cfg`."""
     dev = torch.device(device)
     tdtype = _DTYPES[dtype]
     settle_allocator()
-    fwd, rec, bwd = block_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds)
+    fwd, rec, bwd = block_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts)
     h2d, d2h = copy_bytes_per_s(dev, COPY_BYTES, seconds)
     read, write = ssd_bytes_per_s(offload_dir, io_bytes, cap)
     return {
         "fwd_seconds": fwd,
         "recompute_seconds": rec,
         "bwd_seconds": bwd,
-        "pre_post_seconds": pre_post_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds),
+        "pre_post_seconds": pre_post_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts),
         "h2d_bytes_per_s": h2d,
         "d2h_bytes_per_s": d2h,
         "ssd_read_bytes_per_s": read,

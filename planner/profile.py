@@ -24,6 +24,7 @@ from snake.errors import ConfigError
 from snake.memory import DTYPE_BYTES, ModelShape
 
 if TYPE_CHECKING:
+    from snake.adapters import ModelParts
     from snake.models.gpt import GPTConfig
 
 MiB = 1 << 20
@@ -121,6 +122,39 @@ def shape_of(model_cfg: GPTConfig, micro_batch_size: int, seq_len: int, dtype: s
     )
 
 
+def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype: str) -> ModelShape:
+    """The ModelShape of any described model (`snake.adapters.describe`): its block's and its
+    resident parameters, counted; its hidden size and vocabulary, read from its embedding's
+    and its head's outputs on one token."""
+    from planner.probes import hidden_size, vocab_size
+    from snake.adapters import resident_named_params
+
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
+    tokens = micro_batch_size * seq_len
+    return ModelShape(
+        n_layers=len(parts.blocks),
+        layer_params=sum(p.numel() for p in parts.blocks[0].parameters()),
+        ckpt_elems=tokens * hidden_size(parts),
+        resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
+        tokens_per_micro=tokens,
+        dtype_bytes=DTYPE_BYTES[dtype],
+        vocab_size=vocab_size(parts),
+    )
+
+
+def architecture(parts: ModelParts) -> str:
+    """What a described model's timings depend on beyond its shape, for the profile cache:
+    its classes, and its Hugging Face config (with the attention implementation) if any."""
+    names = f"{type(parts.model).__qualname__}/{type(parts.blocks[0]).__qualname__}"
+    cfg = getattr(parts.model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return names
+    blob = json.dumps({**cfg.to_dict(), "attn": str(getattr(cfg, "_attn_implementation", ""))},
+                      sort_keys=True, default=str)
+    return f"{names}/{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
 def free_memory_bytes(device: str) -> tuple[float, float]:
     """(available host bytes, free device bytes); on CPU the device is host memory."""
     import torch
@@ -138,10 +172,11 @@ def cache_path(offload_dir: str | Path, key: dict) -> Path:
     return Path(offload_dir) / f"snake-profile-{hashlib.sha256(blob).hexdigest()[:16]}.json"
 
 
-def _cache_key(shape: ModelShape, device: str, dtype: str, cap: float | None) -> dict:
+def _cache_key(shape: ModelShape, device: str, dtype: str, cap: float | None, arch: str | None = None) -> dict:
     import torch
 
     return {
+        **({"architecture": arch} if arch is not None else {}),
         "version": CACHE_VERSION,
         "host": platform.node(),
         "cpus": os.cpu_count(),
@@ -162,7 +197,7 @@ def _load(path: Path) -> dict | None:
 
 
 def measure_profile(
-    model_cfg: GPTConfig,
+    model_cfg: GPTConfig | ModelParts,
     *,
     micro_batch_size: int,
     seq_len: int,
@@ -177,18 +212,28 @@ def measure_profile(
 ) -> MachineProfile:
     """Measure (or load from offload_dir's cache) the profile of `model_cfg` on `device`.
 
-    io_bytes: bytes written then read back on the SSD (each direction, capped at 256 MiB and
+    model_cfg: a built-in GPT's config (fresh blocks of it are timed) or any described model
+    (`snake.adapters.ModelParts`: its own blocks, embedding and head are timed, and its
+    architecture, by class names, is part of the cache key). io_bytes: bytes written then read back on the SSD (each direction, capped at 256 MiB and
     at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
     remeasure: ignore (and overwrite) the cache. Takes ~5-15 s on two CPU cores."""
     from planner import probes
+    from snake.adapters import ModelParts
 
-    shape = shape_of(model_cfg, micro_batch_size, seq_len, dtype)
+    parts = model_cfg if isinstance(model_cfg, ModelParts) else None
+    if isinstance(model_cfg, ModelParts):
+        shape = shape_of_parts(model_cfg, micro_batch_size, seq_len, dtype)
+        arch: str | None = architecture(model_cfg)
+    else:
+        shape = shape_of(model_cfg, micro_batch_size, seq_len, dtype)
+        arch = None
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
-    path = cache_path(offload_dir, _cache_key(shape, str(device), dtype, ssd_bandwidth_bytes_per_s))
+    path = cache_path(offload_dir, _cache_key(shape, str(device), dtype, ssd_bandwidth_bytes_per_s, arch))
     measured = _load(path) if cache and not remeasure else None
     if measured is None:
         measured = probes.measure_all(
-            model_cfg,
+            None if parts is not None else model_cfg,
+            parts=parts,
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
             device=str(device),
