@@ -132,13 +132,17 @@ def host_memory(
 # 34 MiB), what glibc keeps of freed temporaries, and what a first planning's probes leave
 # behind (after `planner.integrate.trim_heap`). Measured as peak RSS growth minus both
 # models: 60-75 MiB for the runtime alone on GPTs of width 256 (placements 0 to 1, M 1-8,
-# both schedules, alpha 0 and 0.3, 1-4 optimizer workers), 18-24 MiB more than 96 MiB with
-# a planning (tests/test_memory_budget.py).
-RUNTIME_OVERHEAD_BYTES = 128 * 2**20
+# both schedules, alpha 0 and 0.3, 1-4 optimizer workers); with a planning in the same
+# process up to ~110 MiB. glibc keeps up to its trim threshold of freed memory per arena
+# (64 MiB once the probes settle it), so one configuration's peak moved by up to 60 MiB
+# from run to run (GPT 4 x 512: 375-437 MiB); with 128 MiB one run of seven went 3 MiB
+# over. 160 MiB (benchmarks/memory_budget.py, tests/test_memory_budget.py).
+RUNTIME_OVERHEAD_BYTES = 160 * 2**20
 # The head's peak per logit beyond its parameters: the logits in the compute dtype and, in
 # fp32, their log-softmax, its gradient and the logits' gradient. Measured (peak RSS of a
 # forward + backward of GPT's head and cross-entropy, 1-2 k tokens, vocab 32 k-50 k):
-# 16.2-16.4 bytes per logit in float32, 14.2-14.4 in bfloat16.
+# 16.2-16.4 bytes per logit in float32, 14.2-14.4 in bfloat16; the slope between 1 k and
+# 3 k tokens of an 8 k vocabulary 16.24 and 14.15 (tests/test_memory_budget.py).
 HEAD_FP32_BYTES_PER_LOGIT = 12
 
 
@@ -149,9 +153,10 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
       for a GPT block during recompute + backward);
     - the parameter gradients as autograd returns them (a layer's, and pre/post's: the
       embedding's twice when it is tied to the head), and twice as much again that the
-      allocator keeps of such temporaries between calls (measured on a CPU device: without
-      this term GPTs of width 512-1536 went 40-190 MiB over the model, and a 16 k vocabulary
-      8 MiB);
+      allocator keeps of such temporaries between calls. Measured on a CPU device, what the
+      process held beyond the runtime's constant overhead grew with the layer: 30, 38, 66
+      and 226 MiB at widths 512, 768, 1024 and 1536 (3.2-28 M parameters per layer), where
+      this term is 36-324 MiB in fp32; and 8 MiB with a 16 k vocabulary;
     - the head's logits (`HEAD_FP32_BYTES_PER_LOGIT`): tokens x vocab x (dtype + 12) bytes,
       the largest single term for a GPT-2 vocabulary (0.8 GiB at 1,024 tokens in float32)."""
     p, c, db = shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
