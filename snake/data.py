@@ -84,6 +84,9 @@ class DataSource:
         return item
 
 
+IGNORE_INDEX = -100  # a target that is not trained on (Hugging Face's and F.cross_entropy's convention)
+
+
 def split_batch(
     item: Any,
     *,
@@ -91,9 +94,10 @@ def split_batch(
     device: torch.device,
     expect_shape: torch.Size | None,
     vocab_size: int | None,
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int]:
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int, int | None]:
     """Validate one global batch and split it: (inputs per micro-batch, targets per
-    micro-batch, target tokens). Raises DataError naming what is wrong."""
+    micro-batch, target tokens, targets trained on where some are IGNORE_INDEX, else None).
+    Raises DataError naming what is wrong."""
     if not isinstance(item, tuple | list) or len(item) != 2:
         raise DataError(f"data: each batch must be a pair (inputs, targets), got {type(item).__name__}")
     inputs, targets = item
@@ -146,9 +150,24 @@ def split_batch(
         lo, hi = int(inputs.min()), int(inputs.max())
         if lo < 0 or hi >= vocab_size:
             raise DataError(f"data: token ids must be in [0, {vocab_size}), got min {lo}, max {hi}")
-        tlo, thi = int(targets.min()), int(targets.max())
-        if tlo < 0 or thi >= vocab_size:
-            raise DataError(f"data: target ids must be in [0, {vocab_size}), got min {tlo}, max {thi}")
+    ignored = targets == IGNORE_INDEX
+    n_ignored = int(ignored.sum())
+    if vocab_size is not None:
+        kept = targets[~ignored] if n_ignored else targets
+        if kept.numel():
+            tlo, thi = int(kept.min()), int(kept.max())
+            if tlo < 0 or thi >= vocab_size:
+                raise DataError(
+                    f"data: target ids must be in [0, {vocab_size}) or {IGNORE_INDEX} (not trained on), "
+                    f"got min {tlo}, max {thi}"
+                )
+    elif n_ignored < targets.numel() and int(targets[~ignored].min()) < 0:
+        raise DataError(f"data: target ids must be >= 0 or {IGNORE_INDEX} (not trained on), got {int(targets.min())}")
+    if n_ignored == targets.numel():
+        raise DataError(
+            f"data: every target of the batch is {IGNORE_INDEX} (not trained on): its loss would be 0/0; "
+            "leave such batches out"
+        )
     ins = tuple(c.to(device) for c in inputs.chunk(micro_batches))
     tgs = tuple(c.to(device) for c in targets.chunk(micro_batches))
-    return ins, tgs, int(targets.numel())
+    return ins, tgs, int(targets.numel()), (int(targets.numel()) - n_ignored if n_ignored else None)

@@ -22,6 +22,7 @@ from torch.func import functional_call
 
 from snake.adapters import ModelParts, block_param_names, resident_named_params
 from snake.config import SnakeConfig
+from snake.data import IGNORE_INDEX
 from snake.device import synchronize
 from snake.optim import adamw_step
 
@@ -154,14 +155,23 @@ class Kernels:
             y = self.bind(self.views(slot))(x)
         return y.contiguous()
 
-    def head(self, h: torch.Tensor, targets: torch.Tensor, t: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def head(
+        self, h: torch.Tensor, targets: torch.Tensor, t: int, m: int, *, trained: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Head + loss forward and backward for one micro-batch. Accumulates the resident
-        gradients; returns (loss share of this micro-batch, gradient into the last block)."""
+        gradients; returns (loss share of this micro-batch, gradient into the last block).
+        The shares add up to the mean cross-entropy over the global batch's targets: with
+        none ignored each micro-batch's mean / M; with some -100 (`trained`: the global
+        batch's other targets) each micro-batch's sum / trained, so a micro-batch weighs by
+        its targets trained on, as in one big batch."""
         h = h.detach().requires_grad_(True)
         with torch.enable_grad(), self.rng(t, 10**6, m):
             logits = functional_call(self.post_mod, self._res_dict(self.res_dev), (h,))
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            loss = loss / self.n_micro
+            flat = logits.float().reshape(-1, logits.shape[-1])
+            if trained is None:
+                loss = F.cross_entropy(flat, targets.reshape(-1)) / self.n_micro
+            else:
+                loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum") / trained
             grads = torch.autograd.grad(loss * self.scale, [h, *self.res_dev], allow_unused=True)
         self._accumulate(self.res_grad, grads[1:])
         gh = grads[0]

@@ -19,6 +19,7 @@ class BatchReady:
     inputs: tuple[torch.Tensor, ...]
     targets: tuple[torch.Tensor, ...]
     tokens: int
+    trained: int | None = None  # targets trained on, where some are ignored (-100); None: all
 
     @property
     def key(self) -> Hashable:

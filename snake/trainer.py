@@ -297,7 +297,7 @@ class SnakeTrainer:
         )
 
     def _ckpt_shape(self, first: Any, micro_batches: int) -> torch.Size:
-        ins, _tgs, _ = split_batch(
+        ins, _tgs, _, _ = split_batch(
             first, micro_batches=micro_batches, device=torch.device("cpu"),
             expect_shape=None, vocab_size=self._vocab_size(),
         )

@@ -151,6 +151,9 @@ def test_data_not_iterable(tmp_path):
         ((torch.zeros(0, 16, dtype=torch.long), torch.zeros(0, 16, dtype=torch.long)), r"0 tokens"),
         ((torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0, dtype=torch.long)), r"0 tokens"),
         (batches(1, 4, seq=40)[0], r"sequence length 40 exceeds the model's block_size=32"),
+        # -100 is "not trained on"; other negatives are not targets, and a batch needs one to train on
+        ((torch.zeros(4, 16, dtype=torch.long), torch.full((4, 16), -5)), r"\[0, 96\) or -100.*min -5"),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.full((4, 16), -100)), r"every target of the batch is -100"),
     ],
 )
 async def test_bad_batches_fail_before_anything_starts(tmp_path, batch, match):

@@ -148,3 +148,61 @@ async def test_alpha_that_rounds_a_part_to_nothing(tmp_path, alpha):
     got, _, _ = await train(model, data, 3, micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(),
                             alpha=alpha)
     assert_close_state(got, want)
+
+
+def _ignoring(data, seed: int = 3):
+    """`data` with about a third of the targets -100, micro-batches differing in how many
+    they keep, and the second micro-batch of the first global batch ignored entirely."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (x, y) in enumerate(data):
+        y = y.clone()
+        y[torch.rand(y.shape, generator=g) < 0.35] = -100
+        if i == 0:
+            y[y.shape[0] // 3 : 2 * y.shape[0] // 3] = -100
+        out.append((x, y))
+    return out
+
+
+def _big_batch_reference(model, data, micro: int):
+    """Plain PyTorch, each global batch's loss the mean cross-entropy over its targets that
+    are not -100 (one big batch), accumulated over micro-batches as sums / that count."""
+    import copy
+
+    m = copy.deepcopy(model)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        trained = int((y != -100).sum())
+        total = 0.0
+        for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            logits = m(xc)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), yc.reshape(-1), ignore_index=-100, reduction="sum") / trained
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, losses
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_ignored_targets_weigh_as_in_one_big_batch(tmp_path, schedule):
+    """Targets of -100 (Hugging Face's padding label) are not trained on, and each global
+    batch's loss is the mean over the rest, as one big batch: a micro-batch weighs by the
+    targets it keeps (before, each micro-batch's own mean / M; a micro-batch keeping none
+    gave 0/0). The reported loss is that mean."""
+    model = tiny_gpt(n_layer=3, bias=False)
+    data = _ignoring(batches(3, 6))
+    want, want_losses = _big_batch_reference(model, data, 3)
+    got, report, _ = await train(
+        model, data, 3, micro_batches=3, offload_dir=tmp_path / "off", placement=PLACEMENTS["mixed"], alpha=0.3,
+        schedule=schedule,
+    )
+    assert_close_state(got, want)
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
+    whole = [torch.nn.functional.cross_entropy(model(x).reshape(-1, 96), y.reshape(-1)).item() for x, y in data[:1]]
+    assert report.steps[0].loss == pytest.approx(whole[0], abs=1e-5)  # the big batch's mean, before any step

@@ -443,7 +443,7 @@ class Compute(Actor):
         y = k.block_fwd(slot, _tensor(x), t, layer, m)
         loss = None
         if layer == self.e.N - 1:
-            loss, y = k.head(y, batch.targets[m], t, m)
+            loss, y = k.head(y, batch.targets[m], t, m, trained=batch.trained)
         for out, sink in zip((first, y), sinks, strict=True):
             if sink is not None and out is not None:
                 sink.copy_(out.reshape(-1))

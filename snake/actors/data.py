@@ -58,5 +58,5 @@ class DataFeeder(Actor):
                 expect_shape=self.expect_shape,
                 vocab_size=self.vocab_size,
             )
-            ins, tgs, tokens = await self.work(ex, f"batch {t}", split)
-            await self.compute.put(BatchReady(t, ins, tgs, tokens))
+            ins, tgs, tokens, trained = await self.work(ex, f"batch {t}", split)
+            await self.compute.put(BatchReady(t, ins, tgs, tokens, trained))
