@@ -161,8 +161,8 @@ def split_batch(
                     f"data: target ids must be in [0, {vocab_size}) or {IGNORE_INDEX} (not trained on), "
                     f"got min {tlo}, max {thi}"
                 )
-    elif n_ignored < targets.numel() and int(targets[~ignored].min()) < 0:
-        raise DataError(f"data: target ids must be >= 0 or {IGNORE_INDEX} (not trained on), got {int(targets.min())}")
+    elif n_ignored < targets.numel() and (lo := int(targets[~ignored].min())) < 0:
+        raise DataError(f"data: target ids must be >= 0 or {IGNORE_INDEX} (not trained on), got min {lo}")
     if n_ignored == targets.numel():
         raise DataError(
             f"data: every target of the batch is {IGNORE_INDEX} (not trained on): its loss would be 0/0; "

@@ -296,3 +296,20 @@ async def test_state_dict_during_run_is_refused(tmp_path):
         with pytest.raises(SnakeError, match="in progress"):
             await trainer.state_dict()
         await asyncio.wait_for(task, 120)
+
+
+def test_targets_without_a_known_vocabulary():
+    """A model snake cannot read a vocabulary from (ModelParts): -100 targets still count as
+    not trained on, other negative ones are a DataError before the kernels see them."""
+    from snake.data import split_batch
+
+    x = torch.zeros(4, 8, dtype=torch.long)
+    y = torch.ones(4, 8, dtype=torch.long)
+    y[0, :3] = -100
+    kw = dict(micro_batches=2, device=torch.device("cpu"), expect_shape=None, vocab_size=None)
+    ins, tgs, tokens, trained = split_batch((x, y), **kw)
+    assert (len(ins), len(tgs), tokens, trained) == (2, 2, 32, 29)
+    assert split_batch((x, torch.ones(4, 8, dtype=torch.long)), **kw)[3] is None  # none ignored
+    y[1, 0] = -5
+    with pytest.raises(DataError, match=r">= 0 or -100 \(not trained on\), got min -5"):
+        split_batch((x, y), **kw)
