@@ -227,8 +227,9 @@ def trim_heap() -> None:
     """Give the memory glibc keeps of freed allocations back to the OS (malloc_trim). The
     probes' buffers and temporaries (copies of 64 MiB, an AdamW over 4 M elements, blocks
     at the micro-batch size) stayed in the process after planning: 205-213 MiB of RSS on
-    GPTs of width 256-512, 113-118 MiB after the trim (the rest is mostly modules the
-    probes import). No-op without glibc."""
+    GPTs of width 256-512, 113-118 MiB after the trim, ~60 MiB once the AdamW probe no
+    longer imported torch._dynamo (34 MiB of it sympy, which the runtime's first backward
+    imports anyway). No-op without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc_trim(0)

@@ -214,25 +214,25 @@ def measure_profile(
 
     model_cfg: a built-in GPT's config (fresh blocks of it are timed) or any described model
     (`snake.adapters.ModelParts`: its own blocks, embedding and head are timed, and its
-    architecture, by class names, is part of the cache key). io_bytes: bytes written then read back on the SSD (each direction, capped at 256 MiB and
-    at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
+    `architecture` is part of the cache key). io_bytes: bytes written then read back on the
+    SSD (each direction, capped at 256 MiB and at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
     remeasure: ignore (and overwrite) the cache. Takes ~5-15 s on two CPU cores."""
     from planner import probes
     from snake.adapters import ModelParts
 
-    parts = model_cfg if isinstance(model_cfg, ModelParts) else None
     if isinstance(model_cfg, ModelParts):
-        shape = shape_of_parts(model_cfg, micro_batch_size, seq_len, dtype)
-        arch: str | None = architecture(model_cfg)
+        cfg, parts = None, model_cfg
+        shape = shape_of_parts(parts, micro_batch_size, seq_len, dtype)
+        arch: str | None = architecture(parts)
     else:
-        shape = shape_of(model_cfg, micro_batch_size, seq_len, dtype)
-        arch = None
+        cfg, parts, arch = model_cfg, None, None
+        shape = shape_of(cfg, micro_batch_size, seq_len, dtype)
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     path = cache_path(offload_dir, _cache_key(shape, str(device), dtype, ssd_bandwidth_bytes_per_s, arch))
     measured = _load(path) if cache and not remeasure else None
     if measured is None:
         measured = probes.measure_all(
-            None if parts is not None else model_cfg,
+            cfg,
             parts=parts,
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
