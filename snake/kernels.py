@@ -167,11 +167,15 @@ class Kernels:
         h = h.detach().requires_grad_(True)
         with torch.enable_grad(), self.rng(t, 10**6, m):
             logits = functional_call(self.post_mod, self._res_dict(self.res_dev), (h,))
-            flat = logits.float().reshape(-1, logits.shape[-1])
+            # the fp32 logits are not bound to a name: autograd keeps the log-softmax, and a
+            # name would keep a second fp32 copy of the logits alive through the backward
+            # (18 instead of 14 bytes per logit in bfloat16)
             if trained is None:
-                loss = F.cross_entropy(flat, targets.reshape(-1)) / self.n_micro
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                loss = loss / self.n_micro
             else:
-                loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum") / trained
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum") / trained
             grads = torch.autograd.grad(loss * self.scale, [h, *self.res_dev], allow_unused=True)
         self._accumulate(self.res_grad, grads[1:])
         gh = grads[0]
