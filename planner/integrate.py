@@ -213,10 +213,19 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
     # model (Hugging Face, ModelParts) by its own blocks, embedding and head
     what: GPTConfig | ModelParts = model.config if isinstance(model, GPT) else trainer.parts
     b, t = int(first[0].shape[0]), int(first[0].shape[1])
-    with ThreadPoolExecutor(1, thread_name_prefix="snake-planner", initializer=name_native_thread) as ex:
-        plan = await run_blocking(
-            ex, lambda: plan_for_batch(what, config, b, t, str(trainer.device))
-        )
+    import torch
+
+    rng = torch.get_rng_state()  # the probes draw random inputs: the user's stream stays as it was
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="snake-planner", initializer=name_native_thread) as ex:
+            plan = await run_blocking(
+                ex, lambda: plan_for_batch(what, config, b, t, str(trainer.device))
+            )
+    finally:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
     trim_heap()
     if isinstance(plan, Infeasible):
         raise ConfigError("placement", None, f"cannot be planned: {plan.message}")

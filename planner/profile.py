@@ -143,13 +143,18 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     )
 
 
-def architecture(parts: ModelParts) -> str:
+def architecture(parts: ModelParts) -> str | None:
     """What a described model's timings depend on beyond its shape, for the profile cache:
-    its classes, and its Hugging Face config (with the attention implementation) if any."""
-    names = f"{type(parts.model).__qualname__}/{type(parts.blocks[0]).__qualname__}"
+    its classes, its block_fn and its Hugging Face config (with the attention
+    implementation). None for a model without such a config: nothing then tells two of its
+    kind apart (an attribute or a block_fn can change the compute, not the shape), so its
+    profile is measured every time rather than shared (an audit's repro had a second model
+    9x slower reuse the first's timings)."""
     cfg = getattr(parts.model, "config", None)
     if cfg is None or not hasattr(cfg, "to_dict"):
-        return names
+        return None
+    fn = getattr(parts.block_fn, "__qualname__", type(parts.block_fn).__qualname__)
+    names = f"{type(parts.model).__qualname__}/{type(parts.blocks[0]).__qualname__}/{fn}"
     blob = json.dumps({**cfg.to_dict(), "attn": str(getattr(cfg, "_attn_implementation", ""))},
                       sort_keys=True, default=str)
     return f"{names}/{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
@@ -214,7 +219,7 @@ def measure_profile(
 
     model_cfg: a built-in GPT's config (fresh blocks of it are timed) or any described model
     (`snake.adapters.ModelParts`: its own blocks, embedding and head are timed, and its
-    `architecture` is part of the cache key). io_bytes: bytes written then read back on the
+    `architecture` is part of the cache key; without one, nothing is cached). io_bytes: bytes written then read back on the
     SSD (each direction, capped at 256 MiB and at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
     remeasure: ignore (and overwrite) the cache. Takes ~5-15 s on two CPU cores."""
     from planner import probes
@@ -223,9 +228,10 @@ def measure_profile(
     if isinstance(model_cfg, ModelParts):
         cfg, parts = None, model_cfg
         shape = shape_of_parts(parts, micro_batch_size, seq_len, dtype)
-        arch: str | None = architecture(parts)
+        arch = architecture(parts)
+        cache = cache and arch is not None
     else:
-        cfg, parts, arch = model_cfg, None, None
+        cfg, parts, arch = model_cfg, None, None  # the built-in GPT: its config is the shape
         shape = shape_of(cfg, micro_batch_size, seq_len, dtype)
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     path = cache_path(offload_dir, _cache_key(shape, str(device), dtype, ssd_bandwidth_bytes_per_s, arch))

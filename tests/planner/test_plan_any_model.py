@@ -15,7 +15,7 @@ from planner.solve import off_budget
 from snake import ModelParts, SnakeConfig, SnakeTrainer
 from snake.adapters import describe
 from snake.memory import host_memory
-from tests.helpers import assert_close_state, batches
+from tests.helpers import assert_close_state, batches, tiny_gpt
 from tests.test_hf import VOCAB, make, reference
 
 
@@ -46,12 +46,22 @@ def test_profile_of_a_hugging_face_model_reads_its_shape_and_times_its_blocks(tm
     assert not model.training  # the probes' kernels gave the model its mode back
 
 
-def test_the_profile_cache_tells_architectures_apart():
+def test_the_profile_cache_tells_architectures_apart(tmp_path):
     """Two models of one shape but another attention implementation (or classes) do not
-    share cached timings."""
+    share cached timings. A model without a Hugging Face config, which nothing tells apart
+    from another of its classes (an audit's second model ran 9x slower on the first's
+    cached timings), is measured every time: no cache file."""
     a, b = describe(make("llama", attn="sdpa")), describe(make("llama", attn="eager"))
     assert architecture(a) != architecture(b)
     assert architecture(a) == architecture(describe(make("llama", attn="sdpa", seed=1)))
+    kw = dict(micro_batch_size=1, seq_len=8, io_bytes=16 << 20, seconds_per_probe=0.02)
+    hf, plain = tmp_path / "hf", tmp_path / "plain"
+    measure_profile(a, offload_dir=hf, **kw)
+    assert len(list(hf.glob("snake-profile-*.json"))) == 1
+    parts = describe(tiny_gpt(n_layer=2))  # described as parts: its GPTConfig is no HF config
+    assert architecture(parts) is None
+    measure_profile(parts, offload_dir=plain, **kw)
+    assert not list(plain.glob("snake-profile-*.json"))
 
 
 @pytest.mark.asyncio
@@ -69,8 +79,10 @@ async def test_trainer_plans_a_hugging_face_model_under_its_budget(tmp_path):
     cfg = SnakeConfig(micro_batches=2, placement=None, alpha=None, device="cpu", offload_dir=tmp_path / "off",
                       cpu_memory_bytes=budget)
     want = reference(model, data, 2)
+    rng = torch.get_rng_state()
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         await asyncio.wait_for(trainer.run(3), timeout=120)
+        assert torch.equal(torch.get_rng_state(), rng)  # the probes' random inputs left no trace
         got = await trainer.state_dict()
         placed = trainer.config.placement
     assert placed is not None and placed.opt < 1.0  # the budget binds: some optimizer state on SSD
