@@ -21,11 +21,15 @@ seed fix them.
 Saving is atomic: the files are written into a temporary sibling directory and fsynced,
 then renamed over the target (an existing checkpoint there is renamed aside first and
 removed only after the rename), so a crash leaves the previous checkpoint in place. Writes
-and reads go one layer at a time: memory grows by one layer's fp32 state, not the model's.
+and reads go one layer at a time, without a copy of the layer's state: safetensors writes
+the optimizer state in CPU memory from the store itself, and what lies on SSD passes through
+the optimizer's staging buffers (idle between runs); a load maps one layer file and copies
+each parameter into its units.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -35,19 +39,18 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file as st_save_file
 
 from snake.adapters import ModelParts, block_param_names, resident_named_params
 from snake.blocking import name_native_thread, run_blocking
-from snake.buffers import alloc_host
+from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError
@@ -106,8 +109,8 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "model_config": model_config(trainer.parts),
         }
         rng = rng_state()
-        work = functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target)
-        await _blocking(e, work)
+        with _borrowed(e, "opt", every=True) as bufs:
+            await _blocking(e, functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target, bufs))
     finally:
         trainer._end()
     return target
@@ -162,8 +165,31 @@ async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any]
     check_resolved(trainer.config, manifest)
     e = trainer.engine
     assert e is not None
-    rng = await run_blocking(e.executors["io"], apply_checkpoint, e, trainer.parts, target, manifest)
+    with _borrowed(e, "opt") as obuf, _borrowed(e, "param_in") as pbuf:
+        rng = await run_blocking(e.executors["io"], apply_checkpoint, e, trainer.parts, target, manifest,
+                                 obuf[0] if obuf else None, pbuf[0] if pbuf else None)
     set_rng_state(rng)
+
+
+@contextlib.contextmanager
+def _borrowed(e: Engine | None, pool: str, *, every: bool = False) -> Iterator[list[HostBuffer]]:
+    """The engine's staging buffers for `pool`'s tails (one, or every free one), lent to a
+    save or load: no run is in flight then, so all are free, and the state passes through
+    them rather than through memory of its own. Empty when the store has no tails (or no
+    engine)."""
+    p = e.pools[pool] if e is not None else None
+    bufs: list[HostBuffer] = []
+    while p is not None and (every or not bufs):
+        buf = p.try_acquire()
+        if buf is None:
+            break
+        bufs.append(buf)
+    try:
+        yield bufs
+    finally:
+        for buf in bufs:
+            assert p is not None
+            p.release(buf)
 
 
 async def _blocking(e: Engine | None, fn: Callable[[], R]) -> R:
@@ -343,7 +369,8 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 # -- saving -----------------------------------------------------------------------------
 def _save_blocking(
-    e: Engine | None, parts: ModelParts, manifest: dict[str, Any], rng: dict[str, torch.Tensor], target: Path
+    e: Engine | None, parts: ModelParts, manifest: dict[str, Any], rng: dict[str, torch.Tensor], target: Path,
+    bufs: list[HostBuffer] | None = None,
 ) -> None:
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -356,12 +383,15 @@ def _save_blocking(
             os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
         files: dict[str, Any] = {}
         meta = {"format": FORMAT}
-        read_layer = _engine_layers(e) if e is not None else _model_layer(parts)
+        if e is not None:
+            read_layer = _engine_layers(e, parts, bufs or [])
+        else:
+            read_model = _model_layer(parts)
+            read_layer = lambda layer: layer_tensors(parts, layer, read_model(layer))  # noqa: E731
         for layer in range(len(parts.blocks)):
-            tensors = layer_tensors(parts, layer, read_layer(layer))
-            files[layer_file(layer)] = _write_file(tmp / layer_file(layer), st_save(tensors, metadata=meta))
-        files[RESIDENT] = _write_file(tmp / RESIDENT, st_save(resident_tensors(e, parts), metadata=meta))
-        files[RNG] = _write_file(tmp / RNG, st_save({k: v.contiguous() for k, v in rng.items()}, metadata=meta))
+            files[layer_file(layer)] = _write_tensors(tmp / layer_file(layer), read_layer(layer), meta)
+        files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts), meta)
+        files[RNG] = _write_tensors(tmp / RNG, {k: v.contiguous() for k, v in rng.items()}, meta)
         manifest = {**manifest, "files": files}
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
         _fsync_dir(tmp)
@@ -371,23 +401,85 @@ def _save_blocking(
         raise
 
 
-def _engine_layers(e: Engine) -> Callable[[int], torch.Tensor]:
+def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Callable[[int], dict[str, torch.Tensor]]:
+    """A reader of one layer's master, m and v by parameter name, from the optimizer store.
+    A parameter that lies in one unit's CPU head is a view of it (no copy: the state in
+    CPU memory is written from where it is). What has a part on SSD is copied into `bufs`
+    (the optimizer's idle staging buffers: the first takes the tails as read, the others
+    the copies) and, for what does not fit there, into a mapping of the save's own."""
     store = e.stores["opt"]
-    buf = alloc_host(max(store.max_tail_bytes, 1), pin=False)
+    spec = block_param_names(parts)
+    buf = bufs[0] if bufs else (alloc_host(store.max_tail_bytes, pin=False) if store.max_tail_bytes else None)
+    # beyond the borrowed buffers: one mapping reused layer to layer (torch.empty per
+    # parameter left glibc's arenas holding each layer's copies: +30-60 MiB per layer)
+    own: list[HostBuffer] = []
 
-    def read(layer: int) -> torch.Tensor:
-        """(3, P) fp32: master, m, v of one layer, from the CPU heads and SSD tails."""
-        out = torch.empty(3, e.P, dtype=torch.float32)
+    def place(sizes: list[int]) -> list[torch.Tensor]:
+        """fp32 tensors of `sizes` elements in the spare buffers, first fit, else own memory."""
+        spare = bufs[1:]
+        used = [0] * len(spare)
+        where: list[tuple[HostBuffer | None, int]] = []
+        extra = 0
+        for n in sizes:
+            i = next((i for i, b in enumerate(spare) if used[i] + 4 * n <= b.nbytes), None)
+            if i is None:
+                where.append((None, extra))
+                extra += 4 * n
+            else:
+                where.append((spare[i], used[i]))
+                used[i] += 4 * n
+        if extra and (not own or own[0].nbytes < extra):
+            own[:] = [alloc_host(extra, pin=False)]
+        return [
+            (hb if hb is not None else own[0]).data[at : at + 4 * n].view(torch.float32)
+            for (hb, at), n in zip(where, sizes, strict=True)
+        ]
+
+    def read(layer: int) -> dict[str, torch.Tensor]:
+        prefix = f"{parts.blocks_prefix}.{layer}."
+        units = []  # (first element in the layer, unit)
         off = 0
         for part, n in enumerate(e.part_sizes):
-            if not n:
+            if n:
+                units.append((off, store.unit((layer, part))))
+                off += n
+        out: dict[str, torch.Tensor] = {}
+        copied: list[tuple[str, torch.Size, int, int]] = []  # parameters not in one head
+        a = 0
+        for name, shape in spec:
+            b = a + shape.numel()
+            home = next(((s0, u) for s0, u in units if s0 <= a and b <= s0 + u.k), None)
+            if home is None:
+                copied.append((name, shape, a, b))
+            else:
+                s0, u = home
+                for c, comp in enumerate(COMPS):
+                    out[f"{comp}/{prefix}{name}"] = store.head(u)[c, a - s0 : b - s0].view(shape)
+            a = b
+        room = iter(place([b - a for _, _, a, b in copied for _ in COMPS]))
+        for name, shape, _, _ in copied:
+            for comp in COMPS:
+                out[f"{comp}/{prefix}{name}"] = next(room).view(shape)
+        for s0, u in units:
+            mine = [(name, a, b) for name, _, a, b in copied if a < s0 + u.n and b > s0]
+            if not mine:
                 continue
-            u = store.unit((layer, part))
-            out[:, off : off + u.k] = store.head(u)
+            head = store.head(u)
+            tail = None
             if u.tail_n:
+                assert buf is not None
                 store.read_tail(u, buf)
-                out[:, off + u.k : off + n] = store.tail(u, buf)
-            off += n
+                tail = store.tail(u, buf)
+            for name, a, b in mine:
+                for c, comp in enumerate(COMPS):
+                    dst = out[f"{comp}/{prefix}{name}"].view(-1)
+                    lo, hi = max(a, s0), min(b, s0 + u.k)  # the part in the head
+                    if lo < hi:
+                        dst[lo - a : hi - a] = head[c, lo - s0 : hi - s0]
+                    lo, hi = max(a, s0 + u.k), min(b, s0 + u.n)  # the part on SSD
+                    if lo < hi:
+                        assert tail is not None
+                        dst[lo - a : hi - a] = tail[c, lo - s0 - u.k : hi - s0 - u.k]
         return out
 
     return read
@@ -395,20 +487,24 @@ def _engine_layers(e: Engine) -> Callable[[int], torch.Tensor]:
 
 def _model_layer(parts: ModelParts) -> Callable[[int], torch.Tensor]:
     def read(layer: int) -> torch.Tensor:
-        flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in parts.blocks[layer].parameters()])
-        return torch.stack([flat, torch.zeros_like(flat), torch.zeros_like(flat)])
+        params = list(parts.blocks[layer].parameters())
+        out = torch.zeros(3, sum(p.numel() for p in params), dtype=torch.float32)
+        torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
+        return out
 
     return read
 
 
 def layer_tensors(parts: ModelParts, layer: int, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One layer's tensors as views of its (3, P) state: no copy (safetensors takes
+    non-overlapping views of one storage)."""
     prefix = f"{parts.blocks_prefix}.{layer}."
     out: dict[str, torch.Tensor] = {}
     for c, comp in enumerate(COMPS):
         off = 0
         for name, shape in block_param_names(parts):
             n = shape.numel()
-            out[f"{comp}/{prefix}{name}"] = stacked[c, off : off + n].reshape(shape).clone()
+            out[f"{comp}/{prefix}{name}"] = stacked[c, off : off + n].view(shape)
             off += n
     return out
 
@@ -423,8 +519,18 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
             master = p.detach().to("cpu", torch.float32)
             comps = (master, torch.zeros_like(master), torch.zeros_like(master))
         for comp, t in zip(COMPS, comps, strict=True):
-            out[f"{comp}/{name}"] = t.reshape(p.shape).clone()
+            out[f"{comp}/{name}"] = t.view(p.shape)  # each its own tensor: no copy needed
     return out
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str, Any]:
+    """safetensors writes straight from the tensors (no bytes object of the file in
+    memory); then fsync, and the digest from the file as written."""
+    st_save_file(tensors, path, metadata=meta)
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": digest}
 
 
 def _write_file(path: Path, data: bytes) -> dict[str, Any]:
@@ -517,65 +623,92 @@ def _publish(tmp: Path, target: Path) -> None:
 
 
 # -- loading ----------------------------------------------------------------------------
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return st_load(path.read_bytes())
-    except SafetensorError as exc:
-        raise SnakeError(f"load: {path} is not a valid safetensors file: {exc}") from exc
+class _TensorFile:
+    """A safetensors file read one tensor at a time (the library maps the file; a tensor
+    is copied out when taken), so a layer's load holds one copy of its state, not three."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._f = safe_open(str(path), framework="pt")
+        except SafetensorError as exc:
+            raise SnakeError(f"load: {path} is not a valid safetensors file: {exc}") from exc
+        self._keys = set(self._f.keys())
+
+    def __enter__(self) -> _TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.__exit__(None, None, None)
+        del self._f
+
+    def keys(self) -> set[str]:
+        return self._keys
+
+    def take(self, key: str, shape: torch.Size | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if key not in self._keys:
+            raise SnakeError(f"load: {self.path} lacks tensor {key!r}: the checkpoint is damaged")
+        t: torch.Tensor = self._f.get_tensor(key)
+        if t.dtype != dtype or (shape is not None and t.shape != shape):
+            want = f"{dtype} {tuple(shape)}" if shape is not None else str(dtype)
+            raise SnakeError(f"load: {self.path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {want}")
+        return t
 
 
-def _take(tensors: dict[str, torch.Tensor], key: str, shape: torch.Size, path: Path) -> torch.Tensor:
-    t = tensors.get(key)
-    if t is None:
-        raise SnakeError(f"load: {path} lacks tensor {key!r}: the checkpoint is damaged")
-    if t.dtype != torch.float32 or t.shape != shape:
-        raise SnakeError(
-            f"load: {path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected float32 {tuple(shape)}"
-        )
-    return t
+def _spread(src: torch.Tensor, at: int, k: int, head: torch.Tensor, tail: torch.Tensor | None) -> None:
+    """Copy `src`, a unit's elements [at, at + len), to its head ([0, k)) and tail ([k, n))."""
+    end = at + src.numel()
+    if at < k:
+        head[at : min(end, k)] = src[: min(end, k) - at]
+    if end > k:
+        assert tail is not None
+        tail[max(at, k) - k : end - k] = src[max(at, k) - at :]
 
 
 def apply_checkpoint(
-    e: Engine, parts: ModelParts, target: Path, manifest: dict[str, Any]
+    e: Engine, parts: ModelParts, target: Path, manifest: dict[str, Any],
+    obuf: HostBuffer | None = None, pbuf: HostBuffer | None = None,
 ) -> dict[str, torch.Tensor]:
     """Blocking, on a freshly set-up engine: overwrite the optimizer and parameter units
     (heads and tails), the resident state and the counters. Returns the RNG state."""
     ostore, pstore = e.stores["opt"], e.stores["param"]
-    obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
-    pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
+    obuf = obuf if obuf is not None else alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
+    pbuf = pbuf if pbuf is not None else alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
     spec = block_param_names(parts)
     for layer in range(e.N):
-        path = target / layer_file(layer)
-        tensors = _read_tensors(path)
+        # unit by unit, each parameter's piece straight into the unit's head and staging
+        # buffer (no copy of the layer's state: one parameter's tensor at a time)
         prefix = f"{parts.blocks_prefix}.{layer}."
-        stacked = torch.stack([
-            torch.cat([_take(tensors, f"{comp}/{prefix}{name}", shape, path).reshape(-1) for name, shape in spec])
-            for comp in COMPS
-        ])
-        off = 0
-        for part, n in enumerate(e.part_sizes):
-            if not n:
-                continue
-            src = stacked[:, off : off + n]
-            off += n
-            ou = ostore.unit((layer, part))
-            ostore.head(ou).copy_(src[:, : ou.k])
-            if ou.tail_n:
-                ostore.tail(ou, obuf).copy_(src[:, ou.k :])
-                ostore.write_tail(ou, obuf)
-            params = src[0].to(e.dtype)  # what the optimizer derives from the master
-            pu = pstore.unit((layer, part))
-            pstore.head(pu)[0].copy_(params[: pu.k])
-            if pu.tail_n:
-                pstore.tail(pu, pbuf)[0].copy_(params[pu.k :])
-                pstore.write_tail(pu, pbuf)
-    path = target / RESIDENT
-    res = _read_tensors(path)
+        with _TensorFile(target / layer_file(layer)) as f:
+            s0 = 0
+            for part, n in enumerate(e.part_sizes):
+                if not n:
+                    continue
+                ou, pu = ostore.unit((layer, part)), pstore.unit((layer, part))
+                ohead, phead = ostore.head(ou), pstore.head(pu)[0]
+                otail = ostore.tail(ou, obuf) if ou.tail_n else None
+                ptail = pstore.tail(pu, pbuf)[0] if pu.tail_n else None
+                a = 0
+                for name, shape in spec:
+                    b = a + shape.numel()
+                    lo, hi = max(a, s0), min(b, s0 + n)
+                    if lo < hi:
+                        for c, comp in enumerate(COMPS):
+                            piece = f.take(f"{comp}/{prefix}{name}", shape).view(-1)[lo - a : hi - a]
+                            _spread(piece, lo - s0, ou.k, ohead[c], otail[c] if otail is not None else None)
+                            if c == 0:  # the parameters: what the optimizer derives from the master
+                                _spread(piece.to(e.dtype), lo - s0, pu.k, phead, ptail)
+                    a = b
+                if ou.tail_n:
+                    ostore.write_tail(ou, obuf)
+                if pu.tail_n:
+                    pstore.write_tail(pu, pbuf)
+                s0 += n
     k = e.kernels
-    with torch.no_grad():
+    with torch.no_grad(), _TensorFile(target / RESIDENT) as f:
         for i, (name, p) in enumerate(resident_named_params(parts)):
             for comp, dst in zip(COMPS, (k.res_master[i], k.res_m[i], k.res_v[i]), strict=True):
-                dst.copy_(_take(res, f"{comp}/{name}", p.shape, path).reshape(-1))
+                dst.copy_(f.take(f"{comp}/{name}", p.shape).view(-1))
             k.res_dev[i].copy_(k.res_master[i].view(k.res_shapes[i]))
             k.res_grad[i].zero_()
     synchronize(e.device)
@@ -589,7 +722,7 @@ def apply_checkpoint(
             if n:
                 e.ledger.set(("param", layer, part), step)
                 e.ledger.set(("opt", layer, part), step)
-    rng = _read_tensors(target / RNG)
-    if "torch/cpu" not in rng or rng["torch/cpu"].dtype != torch.uint8:
-        raise SnakeError(f"load: {target / RNG} lacks the torch RNG state: the checkpoint is damaged")
-    return rng
+    with _TensorFile(target / RNG) as f:
+        if "torch/cpu" not in f.keys():
+            raise SnakeError(f"load: {target / RNG} lacks the torch RNG state: the checkpoint is damaged")
+        return {key: f.take(key, dtype=torch.uint8) for key in sorted(f.keys())}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from snake.errors import SnakeError
 
@@ -25,9 +25,10 @@ def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch
     masters: dict[str, torch.Tensor] = {}
     for name in manifest["files"]:
         if name.endswith(".safetensors") and name != "rng.safetensors":
-            for key, t in load_file(d / name).items():
-                if key.startswith("master/"):
-                    masters[key[len("master/") :]] = t
+            with safe_open(str(d / name), framework="pt") as f:  # the masters only: not m and v
+                for key in f.keys():
+                    if key.startswith("master/"):
+                        masters[key[len("master/") :]] = f.get_tensor(key)
     return manifest, masters
 
 
