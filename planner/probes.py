@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from snake.adapters import ModelParts, describe
+from snake.adapters import ModelParts, describe, hidden_size, vocab_size
 from snake.config import AdamW, SnakeConfig
 from snake.device import pin_host_memory, synchronize
 from snake.io import open_storage
@@ -179,23 +179,6 @@ def _kernels(parts: ModelParts, device: torch.device, dtype) -> Kernels:
     name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
     config = SnakeConfig(offload_dir=".", micro_batches=1, dtype=name)  # type: ignore[arg-type]
     return Kernels(parts, config, device, 1)
-
-
-def hidden_size(parts: ModelParts) -> int:
-    """The width of a described model's block inputs: its embedding's output on one token."""
-    model = parts.model
-    p = next(model.parameters())
-    with torch.no_grad():
-        return int(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).shape[-1])
-
-
-def vocab_size(parts: ModelParts) -> int:
-    """Logits per token of a described model: its head's output on one hidden state."""
-    model = parts.model
-    p = next(model.parameters())
-    h = torch.zeros(1, 1, hidden_size(parts), dtype=p.dtype, device=p.device)
-    with torch.no_grad():
-        return int(parts.post(model, h).shape[-1])
 
 
 def combine_block_passes(passes: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:

@@ -126,8 +126,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     """The ModelShape of any described model (`snake.adapters.describe`): its block's and its
     resident parameters, counted; its hidden size and vocabulary, read from its embedding's
     and its head's outputs on one token."""
-    from planner.probes import hidden_size, vocab_size
-    from snake.adapters import resident_named_params
+    from snake.adapters import hidden_size, resident_named_params, vocab_size
 
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")

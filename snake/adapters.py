@@ -205,3 +205,21 @@ def resident_named_params(parts: ModelParts) -> list[tuple[str, nn.Parameter]]:
     """Parameters outside the blocks (deduplicated: tied weights appear once)."""
     prefix = parts.blocks_prefix + "."
     return [(n, p) for n, p in parts.model.named_parameters() if not n.startswith(prefix)]
+
+
+def hidden_size(parts: ModelParts) -> int:
+    """The width of a described model's block inputs: its embedding's output on one token."""
+    model = parts.model
+    p = next(model.parameters())
+    with torch.no_grad():
+        return int(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).shape[-1])
+
+
+def vocab_size(parts: ModelParts) -> int:
+    """Logits per token of a described model: its head's output on one hidden state (what
+    its targets index)."""
+    model = parts.model
+    p = next(model.parameters())
+    h = torch.zeros(1, 1, hidden_size(parts), dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        return int(parts.post(model, h).shape[-1])

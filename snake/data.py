@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,13 +88,23 @@ class DataSource:
 IGNORE_INDEX = -100  # a target that is not trained on (Hugging Face's and F.cross_entropy's convention)
 
 
+@dataclass(frozen=True, slots=True)
+class Vocab:
+    """The token-id ranges batches are checked against: [0, inputs) for inputs (the
+    embedding's rows) and [0, targets) for targets (the head's logits). None: unknown, not
+    checked (targets then only >= 0)."""
+
+    inputs: int | None = None
+    targets: int | None = None
+
+
 def split_batch(
     item: Any,
     *,
     micro_batches: int,
     device: torch.device,
     expect_shape: torch.Size | None,
-    vocab_size: int | None,
+    vocab: Vocab,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int, int | None]:
     """Validate one global batch and split it: (inputs per micro-batch, targets per
     micro-batch, target tokens, targets trained on where some are IGNORE_INDEX, else None).
@@ -146,20 +157,20 @@ def split_batch(
             f"data: batch inputs have shape {tuple(inputs.shape)} but the first batch had "
             f"{tuple(expect_shape)}; snake sizes its buffers from the first batch, keep shapes fixed"
         )
-    if vocab_size is not None:
+    if vocab.inputs is not None:
         lo, hi = int(inputs.min()), int(inputs.max())
-        if lo < 0 or hi >= vocab_size:
-            raise DataError(f"data: token ids must be in [0, {vocab_size}), got min {lo}, max {hi}")
+        if lo < 0 or hi >= vocab.inputs:
+            raise DataError(f"data: token ids must be in [0, {vocab.inputs}), got min {lo}, max {hi}")
     ignored = targets == IGNORE_INDEX
     n_ignored = int(ignored.sum())
-    if vocab_size is not None:
+    if vocab.targets is not None:
         kept = targets[~ignored] if n_ignored else targets
         if kept.numel():
             tlo, thi = int(kept.min()), int(kept.max())
-            if tlo < 0 or thi >= vocab_size:
+            if tlo < 0 or thi >= vocab.targets:
                 raise DataError(
-                    f"data: target ids must be in [0, {vocab_size}) or {IGNORE_INDEX} (not trained on), "
-                    f"got min {tlo}, max {thi}"
+                    f"data: target ids must be in [0, {vocab.targets}) (the model's logits per token) or "
+                    f"{IGNORE_INDEX} (not trained on), got min {tlo}, max {thi}"
                 )
     elif n_ignored < targets.numel() and (lo := int(targets[~ignored].min())) < 0:
         raise DataError(f"data: target ids must be >= 0 or {IGNORE_INDEX} (not trained on), got min {lo}")

@@ -14,7 +14,7 @@ from snake.actors.device_mover import DeviceToHost, HostToDevice
 from snake.actors.optimizer import OptimizerWorker
 from snake.actors.storage_mover import SsdRead, SsdWrite
 from snake.channels import Mailbox, StageClock
-from snake.data import DataSource
+from snake.data import DataSource, Vocab
 from snake.engine import Engine
 from snake.errors import ActorFailed, StallError
 
@@ -74,7 +74,7 @@ def build_actors(
     iterations: range,
     reports: list[StepReport],
     *,
-    vocab_size: int | None,
+    vocab: Vocab,
     on_step: Callable[[StepReport], None] | None = None,
 ) -> tuple[list[Actor], list[Mailbox]]:
     e = engine
@@ -88,7 +88,7 @@ def build_actors(
     actors: list[Actor] = [
         DataFeeder(
             e, source, compute=compute_in, iterations=iterations,
-            expect_shape=e.input_shape, vocab_size=vocab_size,
+            expect_shape=e.input_shape, vocab=vocab,
         ),
         Compute(
             e, inbox=compute_in, d2h=d2h_in, clock=clock, iterations=iterations, reports=reports, on_step=on_step
@@ -110,12 +110,12 @@ async def run_iterations(
     source: DataSource,
     steps: int,
     *,
-    vocab_size: int | None,
+    vocab: Vocab,
     on_step: Callable[[StepReport], None] | None = None,
 ) -> list[StepReport]:
     iterations = range(engine.next_t, engine.next_t + steps)
     reports: list[StepReport] = []
-    actors, mailboxes = build_actors(engine, source, iterations, reports, vocab_size=vocab_size, on_step=on_step)
+    actors, mailboxes = build_actors(engine, source, iterations, reports, vocab=vocab, on_step=on_step)
     for a in actors:
         a.fault_hook = engine.fault_hook
     try:

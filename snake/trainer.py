@@ -15,10 +15,10 @@ from torch import nn
 
 from snake.actors.compute import StepReport
 from snake.actors.optimizer import flush_delayed
-from snake.adapters import ModelParts, block_param_names, describe
+from snake.adapters import ModelParts, block_param_names, describe, vocab_size
 from snake.blocking import run_blocking, settle
 from snake.config import SnakeConfig
-from snake.data import DataSource, split_batch
+from snake.data import DataSource, Vocab, split_batch
 from snake.device import helper_thread_init, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, SnakeError
@@ -74,6 +74,7 @@ class SnakeTrainer:
         self._running = False
         self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the engine's queues belong to
+        self._vocab = Vocab()  # measured when the engine is built (_ckpt_shape)
 
     async def __aenter__(self) -> SnakeTrainer:
         return self
@@ -109,7 +110,7 @@ class SnakeTrainer:
                 await self._setup()
             assert self.engine is not None
             reports = await run_iterations(
-                self.engine, self.source, steps, vocab_size=self._vocab_size(), on_step=on_step
+                self.engine, self.source, steps, vocab=self._vocab, on_step=on_step
             )
         except BaseException as exc:
             # before the engine exists a bad input or a cancellation leaves nothing behind
@@ -238,10 +239,20 @@ class SnakeTrainer:
         if self._closed:
             raise SnakeError("this trainer is closed; make a new SnakeTrainer")
 
-    def _vocab_size(self) -> int | None:
+    def _find_vocab(self) -> Vocab:
+        """The token-id ranges batches are checked against: the model config's vocab_size
+        for inputs and targets. A model without one (a ModelParts) has its head's width
+        measured (one token through its embedding and head) for the targets, which an
+        out-of-range id would otherwise fail deep in the loss; its inputs go unchecked."""
         cfg = getattr(self.parts.model, "config", None)
         v = getattr(cfg, "vocab_size", None)
-        return int(v) if isinstance(v, int) else None
+        if isinstance(v, int):
+            return Vocab(v, v)
+        try:
+            return Vocab(None, vocab_size(self.parts))
+        except Exception as exc:  # an embedding or head that cannot take one token: not checked
+            log.debug("snake: the model's logits per token could not be measured (%s); targets unchecked", exc)
+            return Vocab()
 
     async def _setup(self) -> None:
         """Build the engine from the first batch. On failure before the engine exists
@@ -297,9 +308,10 @@ class SnakeTrainer:
         )
 
     def _ckpt_shape(self, first: Any, micro_batches: int) -> torch.Size:
+        self._vocab = self._find_vocab()
         ins, _tgs, _, _ = split_batch(
             first, micro_batches=micro_batches, device=torch.device("cpu"),
-            expect_shape=None, vocab_size=self._vocab_size(),
+            expect_shape=None, vocab=self._vocab,
         )
         model = self.parts.model
         with torch.no_grad():

@@ -152,7 +152,7 @@ def test_data_not_iterable(tmp_path):
         ((torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0, dtype=torch.long)), r"0 tokens"),
         (batches(1, 4, seq=40)[0], r"sequence length 40 exceeds the model's block_size=32"),
         # -100 is "not trained on"; other negatives are not targets, and a batch needs one to train on
-        ((torch.zeros(4, 16, dtype=torch.long), torch.full((4, 16), -5)), r"\[0, 96\) or -100.*min -5"),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.full((4, 16), -5)), r"\[0, 96\) \(the model's logits per token\) or -100.*min -5"),
         ((torch.zeros(4, 16, dtype=torch.long), torch.full((4, 16), -100)), r"every target of the batch is -100"),
     ],
 )
@@ -301,15 +301,55 @@ async def test_state_dict_during_run_is_refused(tmp_path):
 def test_targets_without_a_known_vocabulary():
     """A model snake cannot read a vocabulary from (ModelParts): -100 targets still count as
     not trained on, other negative ones are a DataError before the kernels see them."""
-    from snake.data import split_batch
+    from snake.data import Vocab, split_batch
 
     x = torch.zeros(4, 8, dtype=torch.long)
     y = torch.ones(4, 8, dtype=torch.long)
     y[0, :3] = -100
-    kw = dict(micro_batches=2, device=torch.device("cpu"), expect_shape=None, vocab_size=None)
+    kw = dict(micro_batches=2, device=torch.device("cpu"), expect_shape=None, vocab=Vocab())
     ins, tgs, tokens, trained = split_batch((x, y), **kw)
     assert (len(ins), len(tgs), tokens, trained) == (2, 2, 32, 29)
     assert split_batch((x, torch.ones(4, 8, dtype=torch.long)), **kw)[3] is None  # none ignored
     y[1, 0] = -5
     with pytest.raises(DataError, match=r">= 0 or -100 \(not trained on\), got min -5"):
         split_batch((x, y), **kw)
+
+
+class _NoConfigLM(torch.nn.Module):
+    """A language model snake cannot read a vocabulary from: no `config`, 40 input ids and
+    24 logits per token (its head is narrower than its embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(40, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(16, 24)
+
+
+def _no_config_parts():
+    from snake import ModelParts
+
+    m = _NoConfigLM()
+    return ModelParts(model=m, blocks=list(m.layers), blocks_prefix="layers",
+                      pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+
+
+@pytest.mark.asyncio
+async def test_targets_past_the_heads_width_are_a_data_error_without_a_config(tmp_path):
+    """A ModelParts model without `config.vocab_size`: a target id past its head's width
+    (measured: 24 logits per token) was an IndexError deep in the loss (ActorFailed, after
+    the engine had written its state); now a DataError before anything starts. Input ids
+    past the head's width but inside the embedding (40 rows) still train."""
+    x = torch.randint(0, 40, (4, 8), generator=torch.Generator().manual_seed(0))
+    off = tmp_path / "off"
+    cfg = SnakeConfig(micro_batches=2, offload_dir=off, device="cpu", placement=Placement(), alpha=0.0)
+    async with SnakeTrainer(_no_config_parts(), data=[(x, torch.full((4, 8), 24))], config=cfg) as trainer:
+        with pytest.raises(DataError, match=r"target ids must be in \[0, 24\) \(the model's logits per token\)"):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not any(off.iterdir()), "no state may be written before the input is checked"
+    y = torch.randint(0, 24, (4, 8), generator=torch.Generator().manual_seed(1))
+    async with SnakeTrainer(_no_config_parts(), data=[(x, y)], config=cfg) as trainer:
+        report = await asyncio.wait_for(trainer.run(1), 30)
+    assert report.steps[0].loss == report.steps[0].loss  # not NaN

@@ -15,7 +15,7 @@ import torch
 
 from snake.actors.base import Actor
 from snake.channels import Mailbox
-from snake.data import DataSource, split_batch
+from snake.data import DataSource, Vocab, split_batch
 from snake.engine import Engine
 from snake.messages import BatchReady
 
@@ -31,7 +31,7 @@ class DataFeeder(Actor):
         compute: Mailbox,
         iterations: range,
         expect_shape: torch.Size,
-        vocab_size: int | None,
+        vocab: Vocab,
     ) -> None:
         super().__init__(engine.tracer)
         self.e = engine
@@ -39,7 +39,7 @@ class DataFeeder(Actor):
         self.compute = compute
         self.iterations = iterations
         self.expect_shape = expect_shape
-        self.vocab_size = vocab_size
+        self.vocab = vocab
 
     async def run(self) -> None:
         ex = self.e.executors["data"]
@@ -56,7 +56,7 @@ class DataFeeder(Actor):
                 micro_batches=self.e.M,
                 device=self.e.device,
                 expect_shape=self.expect_shape,
-                vocab_size=self.vocab_size,
+                vocab=self.vocab,
             )
             ins, tgs, tokens, trained = await self.work(ex, f"batch {t}", split)
             await self.compute.put(BatchReady(t, ins, tgs, tokens, trained))
