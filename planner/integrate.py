@@ -191,11 +191,18 @@ def plan_for_batch(
         at_n = affine_profile(profile, second, ratio) if second is not None else scale_profile(profile, ratio)
         r = plan_for_config(model, scaled, b // n, seq_len, device, profile=at_n)
         if isinstance(r, Infeasible):
-            short = short or r
+            short = r if short is None or r.short_by < short.short_by else short  # the nearest miss
         elif best is None or r.predicted_tokens_per_s > 1.01 * best.predicted_tokens_per_s:
             best = r
     if best is None:
         assert short is not None
+        if config.micro_batches is None:  # every n tried: "fewer micro-batches" cannot help
+            more = "CPU memory" if short.resource == "cpu_memory" else "device memory"
+            shares = "smaller CPU shares (placement), " if config.placement is not None else ""
+            return dataclasses.replace(short, fix=(
+                f"{shares}a smaller global batch than {b} or shorter sequences (no number of "
+                f"micro-batches dividing it, {ns[0]} to {ns[-1]}, fits), or give more {more}"
+            ))
         return short
     return best
 

@@ -60,12 +60,17 @@ class Plan:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Infeasible:
     """No placement fits: `resource` ("cpu_memory" or "device_memory") is short by
-    `short_by` `unit`s. `message` says so in words, with a fix."""
+    `short_by` `unit`s. `message` says so in words (`need`), with a fix (`fix`)."""
 
     resource: str
     short_by: float
     unit: str
-    message: str
+    need: str
+    fix: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.need} (use {self.fix})"
 
     def __str__(self) -> str:
         return self.message
@@ -111,9 +116,8 @@ def memory_check(
         short = dev - profile.device_memory_bytes
         return Infeasible(
             resource="device_memory", short_by=short, unit="bytes",
-            message=f"device memory: need {fmt_bytes(dev)} at n={n_micro}, have "
-            f"{fmt_bytes(profile.device_memory_bytes)} (use fewer micro-batches or a smaller "
-            "micro-batch)",
+            need=f"device memory: need {fmt_bytes(dev)} at n={n_micro}, have {fmt_bytes(profile.device_memory_bytes)}",
+            fix="fewer micro-batches or a smaller micro-batch",
         )
     if placement is None:
         need = mem.fixed_bytes + sum(min(0.0, c) for c in mem.per_share.values())
@@ -128,8 +132,9 @@ def memory_check(
     extra += f" + {fmt_bytes(RUNTIME_OVERHEAD_BYTES)} runtime overhead"
     return Infeasible(
         resource="cpu_memory", short_by=need - budget, unit="bytes",
-        message=f"CPU memory: need {fmt_bytes(need)} {what} at n={n_micro}{extra}, have "
-        f"{fmt_bytes(profile.cpu_memory_bytes)} (use {fix} or give more CPU memory)",
+        need=f"CPU memory: need {fmt_bytes(need)} {what} at n={n_micro}{extra}, have "
+        f"{fmt_bytes(profile.cpu_memory_bytes)}",
+        fix=f"{fix} or give more CPU memory",
     )
 
 

@@ -140,6 +140,26 @@ def test_plan_for_batch_picks_a_divisor_of_the_global_batch(tmp_path):
         plan_for_batch(None, dataclasses.replace(cfg, micro_batches=5), 48, 1024, "cuda", profile=p)
 
 
+def test_plan_for_batch_that_nothing_fits_says_what_can_help(tmp_path):
+    """With the global batch fixed and every divisor tried, "use fewer micro-batches" (what
+    each n's own check says) was no advice at n = 1: the hint is now a smaller global batch
+    or more memory, and the nearest miss is the one reported."""
+    p = synthetic_profile(device_memory_bytes=80 * 2**30)
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None,
+                      cpu_memory_bytes=2 * 2**30)
+    r = plan_for_batch(None, cfg, 48, 1024, "cuda", profile=p)
+    assert isinstance(r, Infeasible) and r.resource == "cpu_memory"
+    assert "fewer micro-batches" not in r.message
+    assert "a smaller global batch than 48" in r.message and "1 to 48" in r.message
+    assert "give more CPU memory" in r.message
+    misses = [plan_for_batch(None, dataclasses.replace(cfg, micro_batches=n), 48, 1024, "cuda", profile=p)
+              for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 48)]
+    assert all(isinstance(m, Infeasible) for m in misses)
+    assert r.short_by == min(m.short_by for m in misses)
+    # a fixed number of micro-batches keeps its own advice
+    assert "fewer micro-batches" in misses[-1].message
+
+
 def test_plan_for_trainer_resolves_the_config_off_the_loop(tmp_path):
     cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None)
     # the hook measures at the largest micro-batch <= 8 dividing the batch: 8; cache it fast
