@@ -2,6 +2,12 @@
 
     snake plan --model gpt:n_layer=24,n_embd=2048,n_head=16,vocab_size=50304,block_size=1024 \\
         --micro-batch-size 4 --cpu-memory 8GiB --offload-dir /ssd/snake [--json] [--plot r.png]
+    snake plan --model hf:path/to/model --seq-len 2048 --micro-batch-size 1 ...
+
+`hf:DIR` is a Hugging Face model directory (its config.json; no weights are read, nothing
+is downloaded): the probes time a copy of the model built from its config with one
+layer, fresh weights (its own layer, embedding and head), and the plan is for all of its
+layers.
 
 Exit status: 0 with a plan, 2 when no configuration fits (the reason on stderr) or the
 arguments are wrong.
@@ -61,11 +67,73 @@ def _ssd_bandwidth(text: str) -> float:
     return size
 
 
-def parse_model(text: str) -> GPTConfig:
-    """'gpt:n_layer=4,n_embd=128' -> GPTConfig(n_layer=4, n_embd=128, ...)."""
+@dataclasses.dataclass(frozen=True)
+class HFModel:
+    """`--model hf:DIR`: a Hugging Face causal LM known by its config alone."""
+
+    path: str
+    config: Any  # a transformers PretrainedConfig
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def block_size(self) -> int | None:
+        n = getattr(self.config, "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) else None
+
+    def title(self) -> str:
+        return f"{self.config.model_type} {self.n_layer} x {self.config.hidden_size}"
+
+    def one_layer(self) -> Any:
+        """ModelParts of the model with its first layer only (fresh weights): what the
+        probes time. Lists with an entry per layer (`layer_types`) are cut to match."""
+        import copy
+
+        from snake.adapters import describe
+        from snake.hf import load_hf
+
+        cfg = copy.deepcopy(self.config)
+        cfg.num_hidden_layers = 1
+        for name, value in vars(cfg).items():
+            if isinstance(value, list) and len(value) == self.n_layer and name.startswith("layer"):
+                setattr(cfg, name, value[:1])
+        return describe(load_hf(cfg))
+
+
+def _parse_hf(path: str) -> HFModel:
+    d = Path(path).expanduser()
+    if not (d / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"model 'hf:{path}': {str(d)!r} is not a directory with a config.json; give a local "
+            "Hugging Face model directory (only its config is read, nothing is downloaded)"
+        )
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise argparse.ArgumentTypeError(
+            "model 'hf:...' needs transformers: pip install 'snake[hf]'"
+        ) from e
+    try:
+        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise argparse.ArgumentTypeError(f"model 'hf:{path}': transformers cannot read its config: {e}") from e
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise argparse.ArgumentTypeError(f"model 'hf:{path}': its config has no num_hidden_layers")
+    return HFModel(str(d), config)
+
+
+def parse_model(text: str) -> GPTConfig | HFModel:
+    """'gpt:n_layer=4,n_embd=128' -> GPTConfig(n_layer=4, n_embd=128, ...); 'hf:DIR' ->
+    HFModel (DIR's config.json)."""
     kind, _, rest = text.partition(":")
+    if kind == "hf" and rest:
+        return _parse_hf(rest)
     if kind != "gpt":
-        raise argparse.ArgumentTypeError(f"model {kind!r}: only 'gpt:key=value,...' is known")
+        raise argparse.ArgumentTypeError(
+            f"model {kind!r}: 'gpt:key=value,...' (the built-in GPT) or 'hf:DIR' (a Hugging Face model directory)"
+        )
     defaults = GPTConfig()
     fields = [f.name for f in dataclasses.fields(GPTConfig)]
     kw: dict[str, Any] = {}
@@ -90,9 +158,11 @@ def parse_model(text: str) -> GPTConfig:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="snake plan", description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=parse_model, required=True, help="gpt:n_layer=..,n_embd=..,...")
+    p.add_argument("--model", type=parse_model, required=True,
+                   help="gpt:n_layer=..,n_embd=..,... or hf:DIR (a Hugging Face model directory)")
     p.add_argument("--micro-batch-size", type=positive_int, required=True)
-    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's block_size")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="default: the model's block_size (gpt:); required with hf:")
     p.add_argument("--cpu-memory", type=_positive_size, default=None, help="host budget; default: available")
     p.add_argument("--device-memory", type=_positive_size, default=None)
     p.add_argument("--offload-dir", required=True, help="SSD tier directory (probe and cache)")
@@ -156,7 +226,14 @@ def _check_args(args: argparse.Namespace, *, measure: bool) -> None:
     from snake.offload_dir import check_offload_dir
 
     block = args.model.block_size
-    if args.seq_len is not None and args.seq_len > block:
+    if isinstance(args.model, HFModel):
+        if args.seq_len is None:
+            raise ConfigError("--seq-len", None, "is required with an hf: model",
+                              "give the sequence length you will train on, e.g. --seq-len 2048")
+        if block is not None and args.seq_len > block:
+            raise ConfigError("--seq-len", args.seq_len, f"must be <= the model's max_position_embeddings={block}",
+                              "use a shorter sequence")
+    elif args.seq_len is not None and args.seq_len > block:
         raise ConfigError("--seq-len", args.seq_len, f"must be <= the model's block_size={block}",
                           "use a shorter sequence or a larger block_size in --model")
     if args.plot is not None:
@@ -187,12 +264,16 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     try:
         _check_args(args, measure=profile is None)
         if profile is None:
+            hf = isinstance(args.model, HFModel)
             profile = measure_profile(
-                args.model, micro_batch_size=args.micro_batch_size,
+                args.model.one_layer() if hf else args.model, micro_batch_size=args.micro_batch_size,
                 seq_len=args.seq_len or args.model.block_size, device=args.device, dtype=args.dtype,
                 offload_dir=args.offload_dir, ssd_bandwidth_bytes_per_s=args.ssd_bandwidth,
                 remeasure=args.remeasure,
             )
+            if hf:  # timed with one layer; planned with all of them
+                profile = dataclasses.replace(
+                    profile, shape=dataclasses.replace(profile.shape, n_layers=args.model.n_layer))
         budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
         profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
     except ConfigError as e:
@@ -207,6 +288,7 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     if args.plot:
         ns = range(1, max(16, 2 * plan.n_micro) + 1)
         m = args.model
-        title = f"GPT {m.n_layer} x {m.n_embd}, micro-batch {args.micro_batch_size}, {args.dtype}"
+        what = m.title() if isinstance(m, HFModel) else f"GPT {m.n_layer} x {m.n_embd}"
+        title = f"{what}, micro-batch {args.micro_batch_size}, {args.dtype}"
         plot_roofline(roofline(profile, ns), args.plot, title=title)
     return 0

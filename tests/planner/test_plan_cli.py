@@ -138,3 +138,59 @@ def test_json_on_stdout_is_only_json(tmp_path):
     done = subprocess.run([sys.executable, "-m", "snake.cli", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["micro_batches"] >= 1
+
+
+def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monkeypatch):
+    """`--model hf:DIR`: a Hugging Face model known by its config.json (no weights). The
+    probes time the model built from its config with one layer; the plan's shape is the
+    full model's, as the trainer would see it (layers, parameters per layer, resident
+    parameters, hidden size, vocabulary)."""
+    import transformers
+
+    import planner.cli as cli
+    from planner.profile import measure_profile, shape_of_parts
+    from snake.adapters import describe
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=12, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=200, max_position_embeddings=64)
+    d = tmp_path / "llama"
+    cfg.save_pretrained(d)
+    seen = {}
+
+    def fast(model, **kw):  # the real probes, shortened
+        seen["blocks"] = len(model.blocks)
+        return measure_profile(model, **{**kw, "io_bytes": 16 << 20, "seconds_per_probe": 0.05})
+
+    monkeypatch.setattr(cli, "measure_profile", fast)
+    argv = ["--model", f"hf:{d}", "--seq-len", "32", "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "off"),
+            "--json", "--cpu-memory", "4GiB"]
+    assert plan_main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["micro_batches"] >= 1 and set(plan["placement"]) == {"param", "ckpt", "opt"}
+    assert seen["blocks"] == 1  # one layer built and timed
+    # the same shape the trainer plans with
+    full = describe(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
+    got = {}
+    real_search = cli.search
+    monkeypatch.setattr(cli, "search", lambda profile, **kw: got.setdefault("shape", profile.shape) and real_search(profile, **kw))
+    assert plan_main(argv) == 0
+    assert got["shape"] == shape_of_parts(full, 2, 32, "float32")
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "says"),
+    [
+        ("hf:{tmp}/none", ["--seq-len", "32"], "is not a directory with a config.json"),
+        ("hf:{tmp}/llama", [], "--seq-len=None is required with an hf: model"),
+        ("hf:{tmp}/llama", ["--seq-len", "100"], "must be <= the model's max_position_embeddings=64"),
+    ],
+)
+def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
+    import transformers
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=200, max_position_embeddings=64).save_pretrained(tmp_path / "llama")
+    argv = ["--model", model.format(tmp=tmp_path), "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "o"), *extra]
+    assert plan_main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and says in captured.err
+    assert not (tmp_path / "o").exists()  # refused before anything was measured
