@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -53,7 +54,7 @@ from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
-from snake.errors import ConfigError, DataError, SnakeError
+from snake.errors import ConfigError, DataError, SnakeError, StorageError
 
 if TYPE_CHECKING:
     from snake.engine import Engine
@@ -526,22 +527,42 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str, Any]:
     """safetensors writes straight from the tensors (no bytes object of the file in
     memory); then fsync, and the digest from the file as written."""
-    st_save_file(tensors, path, metadata=meta)
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    try:
+        st_save_file(tensors, path, metadata=meta)
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    except (SafetensorError, OSError) as exc:
+        raise _write_failed(path, exc) from exc
     return {"bytes": path.stat().st_size, "sha256": digest}
 
 
+def _write_failed(path: Path, exc: BaseException) -> StorageError:
+    """A failed checkpoint write (a full disk, a quota, an I/O error), named: safetensors
+    reports one as a SafetensorError with the OS error in its text."""
+    code = getattr(exc, "errno", None)
+    if not isinstance(code, int):
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else errno.EIO
+    return StorageError(
+        code,
+        f"save: writing {path.name} of the checkpoint failed ({exc}); the target and any checkpoint "
+        f"there are unchanged. Free space in {path.parent.parent} or save somewhere else",
+    )
+
+
 def _write_file(path: Path, data: bytes) -> dict[str, Any]:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _write_failed(path, exc) from exc
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 

@@ -490,3 +490,59 @@ async def test_save_and_load_hold_no_copy_of_a_layer(tmp_path, opt, monkeypatch)
         await asyncio.wait_for(t.load(where), TIMEOUT)
     bound = layer_state + restored["staging"] + 8 * 2**20  # one mapped file, the staging buffers
     assert restored["grew"] < bound, f"load grew the process {restored['grew'] / 2**20:.1f} MiB"
+
+
+SAVE_PAST_A_FILE_LIMIT = """
+import asyncio, json, resource, signal, sys
+from snake import Placement, SnakeConfig, SnakeTrainer
+from tests.helpers import batches, tiny_gpt
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+
+async def main(off, ck):
+    # no delayed steps: the save's flush writes nothing (the limit would fail the SSD tier's writes too)
+    cfg = SnakeConfig(micro_batches=2, placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.0,
+                      device="cpu", offload_dir=off)
+    async with SnakeTrainer(tiny_gpt(n_layer=3), data=batches(4, 4), config=cfg) as t:
+        await t.run(1)
+        await t.save(ck)
+        await t.run(1)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # no file may grow past 4 KiB
+        try:
+            await t.save(ck)
+            out = {"raised": None}
+        except Exception as e:
+            out = {"raised": type(e).__name__, "oserror": isinstance(e, OSError), "errno": getattr(e, "errno", None),
+                   "message": str(e)}
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        await t.run(1)  # the trainer goes on
+        out["step"] = t.engine.next_t
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_a_save_that_cannot_write_fails_by_name_and_keeps_the_last_checkpoint(tmp_path):
+    """A checkpoint file that cannot be written (here a file-size limit: EFBIG; a full disk is
+    ENOSPC) surfaced as safetensors' SafetensorError with the OS error in its text. It is a
+    StorageError (an OSError with the errno) naming the file and the fix; the checkpoint
+    already in the target is untouched, nothing of the failed one stays, and the trainer
+    trains on."""
+    import errno
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    done = subprocess.run([sys.executable, "-c", SAVE_PAST_A_FILE_LIMIT, str(tmp_path / "off"), str(ck)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = json.loads((ck / ckpt.MANIFEST).read_text())
+    out = json.loads(done.stdout)
+    assert out["raised"] == "StorageError" and out["oserror"] and out["errno"] == errno.EFBIG, out
+    assert "layer-00000.safetensors" in out["message"] and "unchanged" in out["message"], out
+    assert out["step"] == 3
+    assert before["step"] == 1  # the first save's checkpoint, as it was
+    for name, info in before["files"].items():
+        assert hashlib.sha256((ck / name).read_bytes()).hexdigest() == info["sha256"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp-")]
