@@ -215,6 +215,31 @@ def _window(steps: list[dict]) -> float | None:
     return sum(s["seconds"] for s in steps[-3:]) * 1.1
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds (--last)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
+    return value
+
+
+def _image_path(out: str) -> str | None:
+    """Why `out` cannot take the timeline PNG (None: it can)."""
+    path = Path(out).expanduser()
+    if path.suffix.lower() != ".png":
+        return "must name a .png file"
+    if path.is_dir():
+        return "is a directory; name a .png file in it"
+    if not path.parent.is_dir():
+        return f"is in {path.parent}, which is not a directory; create it first"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"is in {path.parent}, which is not writable"
+    return None
+
+
 def _trace(argv: list[str]) -> int:
     from snake.timeline import plot_timeline
     from snake.trace import load_trace, summarize
@@ -227,22 +252,42 @@ def _trace(argv: list[str]) -> int:
     pl = sub.add_parser("plot", help="per-actor timeline (Gantt chart) as PNG")
     pl.add_argument("trace")
     pl.add_argument("-o", "--out", default="timeline.png")
-    pl.add_argument("--last", type=float, default=None, help="only the last SECONDS of the trace")
+    pl.add_argument("--last", type=_seconds, default=None, help="only the last SECONDS of the trace")
     args = p.parse_args(argv)
+    if args.what == "plot" and (why := _image_path(args.out)) is not None:
+        print(f"snake trace: -o {args.out!r} {why}", file=sys.stderr)
+        return 2
     try:
         spans, records = load_trace(args.trace)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"snake trace: cannot read {args.trace}: {e}", file=sys.stderr)
         return 2
-    if args.what == "plot":
-        plot_timeline(spans, args.out, window_s=args.last)
-        print(f"wrote {args.out}")
-        return 0
-    summary = summarize(spans, **records)
-    if args.json:
+    try:
+        if args.what == "plot":
+            if not spans:
+                print(f"snake trace: {args.trace} has no spans to plot", file=sys.stderr)
+                return 2
+            totals = records.get("totals") or {}
+            dropped = int(totals.get("spans_recorded", 0)) - int(totals.get("spans_kept", 0))
+            plot_timeline(spans, args.out, window_s=args.last, dropped=dropped)
+            print(f"wrote {args.out}")
+            return 0
+        _print_summary(summarize(spans, **records), as_json=args.json)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
+    except BrokenPipeError:  # `snake trace summarize t.json | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _print_summary(summary: dict, *, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(summary, indent=2))
-        return 0
+        return
     print(f"traced wall time: {summary['wall_s']:.3f} s")
+    spans = summary.get("spans", {})
+    if spans.get("dropped"):
+        print(f"spans: {spans['recorded']} recorded, the newest {spans['kept']} kept in the file "
+              "(the numbers below cover all of them)")
     print(f"{'actor':<16}{'busy s':>10}{'busy %':>9}")
     for actor, v in summary["actors"].items():
         print(f"{actor:<16}{v['busy_s']:>10.3f}{100 * v['busy_fraction']:>8.1f}%")
@@ -254,13 +299,14 @@ def _trace(argv: list[str]) -> int:
         print(f"{'threads (over run())':<24}{'CPU s':>9}{'cores':>7}{'run-queue wait':>16}")
         for group, v in summary["threads"].items():
             print(f"{group:<24}{v['cpu_s']:>9.3f}{v['cpu_fraction']:>7.2f}{100 * v['runqueue_fraction']:>15.1f}%")
-    print(f"{'link':<12}{'MiB':>10}{'MiB/s busy':>12}{'MiB/s avg':>11}")
+    print(f"{'link':<12}{'MiB moved':>10}{'MiB copied':>12}{'MiB/s copying':>15}{'MiB/s avg':>11}")
     for link, v in summary["links"].items():
         print(
-            f"{link:<12}{v['bytes'] / 2**20:>10.1f}{v['busy_bytes_per_s'] / 2**20:>12.1f}"
-            f"{v['avg_bytes_per_s'] / 2**20:>11.1f}"
+            f"{link:<12}{v['bytes'] / 2**20:>10.1f}{v.get('copied_bytes', v['bytes']) / 2**20:>12.1f}"
+            f"{v['busy_bytes_per_s'] / 2**20:>15.1f}{v['avg_bytes_per_s'] / 2**20:>11.1f}"
         )
-    return 0
+    print("(moved: what the schedule sends over the link; copied: what took a copy, which a CPU "
+          "device skips for data already in CPU memory)")
 
 
 def main(argv: list[str] | None = None) -> int:

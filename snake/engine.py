@@ -28,7 +28,7 @@ from snake.memory import PoolSizes
 from snake.plans import DELAYED, Plans
 from snake.schedule import build_schedule, stored_outputs
 from snake.stores import TierStore, scatter, tail_file_bytes
-from snake.trace import Tracer, Traffic
+from snake.trace import LINK_TRACK, Tracer, Traffic
 
 
 class Engine:
@@ -65,7 +65,7 @@ class Engine:
         self.workers = config.optimizer_workers
         self.pin = pin_host_memory(device)
         self.tracer = tracer
-        self.traffic = Traffic()
+        self.traffic = Traffic(tracer)
         self.ledger = Ledger()
         self.kernels = k = Kernels(parts, config, device, self.M)
         self.N = len(parts.blocks)
@@ -171,7 +171,7 @@ class Engine:
         if bucket is not None:
             wait = bucket.reserve(nbytes)
             if wait > 0:  # drawn on its own track ("link cpu->gpu"), so the trace shows the wait
-                with self.tracer.span(f"link {link}", "wait", link=link, bytes=nbytes):
+                with self.tracer.span(f"{LINK_TRACK}{link}", "wait", link=link, bytes=nbytes):
                     await asyncio.sleep(wait)
 
     def _preflight(self, offload_dir: Path, parts_units: list, ckpt_units: list) -> None:

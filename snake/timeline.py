@@ -27,8 +27,14 @@ def _color(name: str) -> str:
     return COLORS.get(name.split(" ")[0], "#999999")
 
 
-def plot_timeline(spans: list[Span], path: str | Path, *, window_s: float | None = None, title: str = "") -> None:
-    """Write a PNG. `window_s`: show only the last that many seconds (None: everything)."""
+def plot_timeline(
+    spans: list[Span], path: str | Path, *, window_s: float | None = None, title: str = "", dropped: int = 0
+) -> None:
+    """Write a PNG. `window_s`: show only the last that many seconds (None: everything).
+    Every track of the trace gets its row, also one idle in the window. The x axis is the
+    trace's own clock (seconds since the trainer was made), so a window says where in the
+    run it is; the title says how much of the trace it shows. `dropped`: spans the tracer
+    recorded but did not keep (the oldest), said in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,17 +44,17 @@ def plot_timeline(spans: list[Span], path: str | Path, *, window_s: float | None
     if not spans:
         raise ValueError("the trace has no spans to plot")
     end = max(s.end_s for s in spans)
-    start = min(s.start_s for s in spans)
-    if window_s is not None:
-        start = max(start, end - window_s)
-    spans = [s for s in spans if s.end_s >= start]
+    first = min(s.start_s for s in spans)
+    start = first if window_s is None else max(first, end - window_s)
     actors = sorted({s.actor for s in spans}, key=lambda a: (ORDER.index(a) if a in ORDER else len(ORDER), a))
+    spans = [s for s in spans if s.end_s >= start]
     row = {a: i for i, a in enumerate(actors)}
     fig, ax = plt.subplots(figsize=(14, 1.0 + 0.55 * len(actors)))
     by_color: dict[str, list[tuple[float, float]]] = {}
     by_row: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for s in spans:
-        by_row.setdefault((row[s.actor], _color(s.name)), []).append((s.start_s - start, max(s.end_s - s.start_s, 1e-5)))
+        lo = max(s.start_s, start)
+        by_row.setdefault((row[s.actor], _color(s.name)), []).append((lo, max(s.end_s - lo, 1e-5)))
     for (r, color), bars in by_row.items():
         ax.broken_barh(bars, (r - 0.38, 0.76), facecolors=color, edgecolors="none")
         by_color.setdefault(color, [])
@@ -57,8 +63,8 @@ def plot_timeline(spans: list[Span], path: str | Path, *, window_s: float | None
     ax.set_yticks(range(len(actors)))
     ax.set_yticklabels([f"{a}  ({100 * busy[a] / wall:.0f}% busy)" for a in actors])
     ax.invert_yaxis()
-    ax.set_xlim(0, wall)
-    ax.set_xlabel("seconds")
+    ax.set_xlim(start, start + wall)
+    ax.set_xlabel("seconds since the trainer was made (busy %: over the window shown)")
     ax.grid(axis="x", alpha=0.3)
     used = {k: v for k, v in COLORS.items() if v in by_color}
     ax.legend(
@@ -66,7 +72,13 @@ def plot_timeline(spans: list[Span], path: str | Path, *, window_s: float | None
         loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(actors) / 4), ncol=min(len(used), 11), fontsize=8,
         frameon=False,
     )
-    ax.set_title(title or "snake: per-actor timeline (gaps are waits)")
+    if not title:
+        title = "snake: per-actor timeline (gaps are waits)"
+        if start > first:
+            title += f"; the last {wall:.2f} s of {end - first:.2f} s traced"
+        if dropped:
+            title += f"; the oldest {dropped} spans were not kept"
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

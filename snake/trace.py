@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 TIERS = ("gpu", "cpu", "ssd")
+LINK_TRACK = "link "  # the track of an emulated host<->device link's waits: "link cpu->gpu"
 KINDS = ("param", "grad", "ckpt", "act_grad", "opt")
 
 
@@ -33,13 +34,25 @@ class Span:
 
 class Tracer:
     """Records spans of work per actor. Keeps the newest `max_spans` (about 150 bytes each,
-    so memory stays bounded on long runs). Times are seconds since the tracer was made."""
+    so memory stays bounded on long runs) for the timeline, and totals over every span
+    (busy time per actor, copies per link) for the summary, so a long run's summary covers
+    all of it. Times are seconds since the tracer was made.
+
+    Links: the bytes the schedule moves across each tier link (`moved`, fed by the engine's
+    traffic counters: what `SnakeTrainer.traffic()` counts) and, separately, the bytes the
+    traced copies moved and their time. They differ where no copy is needed: on a CPU
+    device parameters, gradients and checkpoints in CPU memory are used where they are."""
 
     def __init__(self, max_spans: int = 20_000) -> None:
         self._t0 = time.perf_counter()
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._tracks: dict[str, int] = {}
         self.last_end_s = 0.0  # when the last span ended: progress, for the stall watchdog
+        self.recorded = 0  # spans recorded (the oldest beyond max_spans are not kept)
+        self._first_s: float | None = None
+        self._busy: dict[str, float] = defaultdict(float)
+        self._copies: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # link: [bytes, busy s]
+        self._moved: dict[str, int] = defaultdict(int)
         # the event loop's own CPU (its thread's clock) and wall time over run() calls
         self.loop_cpu_s = 0.0
         self.loop_wall_s = 0.0
@@ -98,6 +111,28 @@ class Tracer:
             self._tracks[actor] = len(self._tracks) + 1
         self.last_end_s = end_s
         self.spans.append(Span(actor, name, start_s, end_s, link, int(bytes)))
+        self.recorded += 1
+        self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
+        self._busy[actor] += max(end_s - start_s, 0.0)
+        if link and not actor.startswith(LINK_TRACK):  # a copy (not an emulated link's wait)
+            c = self._copies[link]
+            c[0] += bytes
+            c[1] += max(end_s - start_s, 0.0)
+
+    def moved(self, link: str, nbytes: int) -> None:
+        """The schedule moved `nbytes` across `link` ("cpu->gpu", ...), copied or not."""
+        self._moved[link] += int(nbytes)
+
+    def totals(self) -> dict[str, Any]:
+        """Whole-run totals (JSON): what `summarize` reads beyond the spans kept."""
+        ends = max((s.end_s for s in self.spans), default=0.0)
+        return {
+            "spans_recorded": self.recorded, "spans_kept": len(self.spans),
+            "first_s": self._first_s or 0.0, "last_s": max(self.last_end_s, ends),
+            "busy_s": dict(self._busy),
+            "copies": {k: {"bytes": v[0], "busy_s": v[1]} for k, v in self._copies.items()},
+            "moved": dict(self._moved),
+        }
 
     def chrome(self) -> dict[str, Any]:
         events: list[dict[str, Any]] = [
@@ -123,26 +158,29 @@ class Tracer:
         out: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
         other = {k: v for k, v in (("snake_event_loop", self.event_loop()), ("snake_threads", self.threads()))
                  if v is not None}
-        if other:
-            out["otherData"] = other
+        other["snake_totals"] = self.totals()
+        out["otherData"] = other
         return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.chrome()))
 
     def summary(self) -> dict[str, Any]:
-        return summarize(list(self.spans), event_loop=self.event_loop(), threads=self.threads())
+        return summarize([], totals=self.totals(), event_loop=self.event_loop(), threads=self.threads())
 
 
 def summarize(
-    spans: list[Span], *, event_loop: dict[str, float] | None = None,
+    spans: list[Span], *, totals: dict[str, Any] | None = None, event_loop: dict[str, float] | None = None,
     threads: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """Busy fraction per actor over the traced wall time, and bytes and bandwidth per link
-    (`src->dst`: while busy, and averaged over the wall time); with `event_loop`, the event
-    loop thread's CPU over the runs (`Tracer.loop_clock`); with `threads`, each thread
-    group's CPU and run-queue time over them (`Tracer.threads`)."""
-    out = _summarize_spans(spans)
+    """Busy fraction per actor over the traced wall time; per link (`src->dst`) the bytes
+    moved, the bytes copied, the copies' bandwidth while busy and the moved bytes averaged
+    over the wall time; how many spans were recorded and kept. From `totals`
+    (`Tracer.totals`: the whole run) where given, else from `spans` (a trace without
+    them: what it kept). With `event_loop`, the event loop thread's CPU over the runs
+    (`Tracer.loop_clock`); with `threads`, each thread group's CPU and run-queue time over
+    them (`Tracer.threads`)."""
+    out = _summarize_totals(totals if totals is not None else _totals_of(spans))
     if event_loop is not None:
         out["event_loop"] = dict(event_loop)
     if threads is not None:
@@ -193,30 +231,38 @@ def _thread_deltas(
         yield group, run_s - run0, wait_s - wait0
 
 
-def _summarize_spans(spans: list[Span]) -> dict[str, Any]:
-    if not spans:
-        return {"wall_s": 0.0, "actors": {}, "links": {}}
-    t0 = min(s.start_s for s in spans)
-    t1 = max(s.end_s for s in spans)
-    wall = max(t1 - t0, 1e-9)
-    busy: dict[str, float] = defaultdict(float)
-    links: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "busy_s": 0.0})
-    for s in spans:
-        busy[s.actor] += s.end_s - s.start_s
-        if s.link:
-            links[s.link]["bytes"] += s.nbytes
-            links[s.link]["busy_s"] += s.end_s - s.start_s
+def _totals_of(spans: list[Span]) -> dict[str, Any]:
+    """`Tracer.totals` as far as the spans tell (no bytes moved without a copy)."""
+    t = Tracer()
+    for s in sorted(spans, key=lambda s: s.end_s):
+        t.add(s.actor, s.name, s.start_s, s.end_s, link=s.link, bytes=s.nbytes)
+    out = t.totals()
+    out["moved"] = {k: v["bytes"] for k, v in out["copies"].items()}
+    return out
+
+
+def _summarize_totals(totals: dict[str, Any]) -> dict[str, Any]:
+    recorded, kept = int(totals["spans_recorded"]), int(totals["spans_kept"])
+    spans = {"recorded": recorded, "kept": kept, "dropped": recorded - kept}
+    if not recorded:
+        return {"wall_s": 0.0, "actors": {}, "links": {}, "spans": spans}
+    wall = max(float(totals["last_s"]) - float(totals["first_s"]), 1e-9)
+    busy, copies, moved = totals["busy_s"], totals["copies"], totals["moved"]
+    links = {}
+    for k in sorted(set(copies) | set(moved)):
+        c = copies.get(k, {"bytes": 0.0, "busy_s": 0.0})
+        b = float(moved.get(k, c["bytes"]))
+        links[k] = {
+            "bytes": b,
+            "copied_bytes": float(c["bytes"]),
+            "busy_bytes_per_s": c["bytes"] / c["busy_s"] if c["busy_s"] > 0 else 0.0,
+            "avg_bytes_per_s": b / wall,
+        }
     return {
         "wall_s": wall,
         "actors": {a: {"busy_s": b, "busy_fraction": min(b / wall, 1.0)} for a, b in sorted(busy.items())},
-        "links": {
-            k: {
-                "bytes": v["bytes"],
-                "busy_bytes_per_s": v["bytes"] / v["busy_s"] if v["busy_s"] > 0 else 0.0,
-                "avg_bytes_per_s": v["bytes"] / wall,
-            }
-            for k, v in sorted(links.items())
-        },
+        "links": links,
+        "spans": spans,
     }
 
 
@@ -224,6 +270,12 @@ def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
     """A trace written by `Tracer.save`, read once: its spans, and the keyword arguments of
     `summarize` its records give (`event_loop`, `threads`: those it has)."""
     data = json.loads(Path(path).read_text())
+    if isinstance(data, list):  # Chrome's other form: the events alone
+        data = {"traceEvents": data}
+    if (not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list)
+            or not all(isinstance(e, dict) for e in data["traceEvents"])):
+        raise ValueError("not a trace (no list of trace events); pass the trace.json that `snake train` "
+                         "or `trainer.trace.save()` wrote")
     names = {}
     for e in data["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
@@ -238,6 +290,9 @@ def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
     ]
     other = data.get("otherData", {})
     records: dict[str, Any] = {}
+    totals = other.get("snake_totals")
+    if isinstance(totals, dict):
+        records["totals"] = totals
     loop = other.get("snake_event_loop")
     if isinstance(loop, dict):
         records["event_loop"] = {k: float(v) for k, v in loop.items()}
@@ -249,16 +304,20 @@ def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
 
 class Traffic:
     """Bytes moved per (src tier, dst tier, kind), attributed to the iteration an operation
-    belongs to. `last()` is the last finished iteration's counts."""
+    belongs to. `last()` is the last finished iteration's counts. With a tracer, every
+    count goes to its per-link totals too (`Tracer.moved`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer | None = None) -> None:
         self._by_iter: dict[int, dict[tuple[str, str, str], int]] = defaultdict(lambda: defaultdict(int))
         self._last: dict[tuple[str, str, str], int] = {}
+        self._tracer = tracer
 
     def add(self, iteration: int, src: str, dst: str, kind: str, nbytes: int) -> None:
         assert src in TIERS and dst in TIERS and kind in KINDS, (src, dst, kind)
         if nbytes:
             self._by_iter[iteration][(src, dst, kind)] += int(nbytes)
+            if self._tracer is not None:
+                self._tracer.moved(f"{src}->{dst}", nbytes)
 
     def finish(self, iteration: int) -> None:
         """Iteration `iteration` is done: keep its counts as `last()` and drop older ones."""
