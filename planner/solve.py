@@ -27,7 +27,13 @@ import numpy as np
 from planner.model import KINDS, Phase, layer_seconds, phases_for, ssd_bytes
 from planner.profile import MachineProfile
 from snake.config import Placement
-from snake.memory import RUNTIME_OVERHEAD_BYTES, LinearMemory, device_memory, host_memory
+from snake.memory import (
+    RUNTIME_OVERHEAD_BYTES,
+    LinearMemory,
+    device_memory,
+    host_memory,
+    off_budget_bytes,
+)
 
 GiB = float(1 << 30)
 SSD_PENALTY = 1e-4  # objective weight of SSD seconds relative to iteration seconds
@@ -97,8 +103,7 @@ def off_budget(profile: MachineProfile, n_micro: int) -> float:
     """Host bytes the placement cannot use: the runtime's overhead (threads, lazily imported
     modules, allocator slack: `RUNTIME_OVERHEAD_BYTES`) and, on a CPU device, the device's
     working set, which is host memory there."""
-    dev = device_memory(profile.shape, n_micro=n_micro) if profile.device == "cpu" else 0.0
-    return dev + RUNTIME_OVERHEAD_BYTES
+    return off_budget_bytes(profile.shape, n_micro=n_micro, device_type=profile.device)
 
 
 def host_budget(profile: MachineProfile, n_micro: int) -> tuple[float, float]:

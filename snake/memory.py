@@ -170,3 +170,22 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
         + 3 * (p + shape.resident_params) * db
         + head
     )
+
+
+def off_budget_bytes(shape: ModelShape, *, n_micro: int, device_type: str) -> float:
+    """Host bytes beyond the placed data and its buffers (`host_memory`): the runtime's
+    overhead and, on a CPU device, the device's working set, which is host memory there."""
+    dev = device_memory(shape, n_micro=n_micro) if device_type == "cpu" else 0.0
+    return dev + RUNTIME_OVERHEAD_BYTES
+
+
+def placement_bytes(
+    shape: ModelShape, *, n_micro: int, alpha: float, schedule: str, workers: int,
+    param: float, ckpt: float, opt: float, device_type: str,
+) -> float:
+    """Host bytes a run with these CPU shares grows the process by: what the planner holds
+    against `cpu_memory_bytes` (`host_memory` at the shares, with its exact model when
+    every checkpoint is in CPU memory, plus `off_budget_bytes`)."""
+    mem = host_memory(shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
+                      ckpt_in_cpu=ckpt >= 1.0, grad_staging=device_type == "cuda")
+    return mem.at(param, ckpt, opt) + off_budget_bytes(shape, n_micro=n_micro, device_type=device_type)

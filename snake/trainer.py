@@ -19,7 +19,7 @@ from snake.adapters import ModelParts, block_param_names, describe, vocab_size
 from snake.blocking import run_blocking, settle
 from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
-from snake.device import helper_thread_init, resolve_device
+from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, SnakeError
 from snake.offload_dir import DirLock, check_offload_dir
@@ -271,7 +271,8 @@ class SnakeTrainer:
             1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
         )
         first = await self.source.peek(self._data_ex)
-        if cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None:
+        planned = cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None
+        if planned:
             cfg = await self._plan(first)
         assert cfg.micro_batches is not None
         # The first micro-batch's embedding (for the checkpoint shape) runs on the data
@@ -279,6 +280,8 @@ class SnakeTrainer:
         # alive for the whole run and, on a CPU device, slows every compute kernel (see
         # snake.device.helper_thread_init).
         h_shape = await run_blocking(self._data_ex, self._ckpt_shape, first, cfg.micro_batches)
+        if not planned:  # a placement the planner checked fits; one the user fixed is checked here
+            await run_blocking(self._data_ex, self._check_memory, cfg, first)
         self._lock = DirLock(self.offload_dir)
         self.config = cfg
         data_ex = self._data_ex
@@ -317,6 +320,52 @@ class SnakeTrainer:
         with torch.no_grad():
             mdev = next(model.parameters()).device
             return self.parts.pre(model, ins[0].to(mdev)).shape
+
+    def _check_memory(self, cfg: SnakeConfig, first: Any) -> None:
+        """Before anything is allocated: does a placement the user fixed fit in the memory
+        (`cpu_memory_bytes`, else what is available now; on CUDA the device's free memory)?
+        By the planner's memory model, which bounds the process's growth
+        (tests/test_memory_budget.py). A ConfigError saying by how much and what to change,
+        where the run would otherwise fail out of memory part-way (or swap)."""
+        import psutil
+
+        from planner.profile import shape_of_parts
+        from planner.solve import fmt_bytes
+        from snake.memory import device_memory, off_budget_bytes, placement_bytes
+
+        assert cfg.micro_batches is not None and cfg.placement is not None and cfg.alpha is not None
+        m, p = cfg.micro_batches, cfg.placement
+        b, seq = int(first[0].shape[0]), int(first[0].shape[1])
+        shape = shape_of_parts(self.parts, b // m, seq, cfg.dtype)
+        kind = self.device.type
+        need = placement_bytes(shape, n_micro=m, alpha=cfg.alpha, schedule=cfg.schedule, workers=cfg.optimizer_workers,
+                               param=p.param, ckpt=p.ckpt, opt=p.opt, device_type=kind)
+        given = cfg.cpu_memory_bytes is not None
+        have = float(cfg.cpu_memory_bytes) if cfg.cpu_memory_bytes is not None else float(
+            psutil.virtual_memory().available)
+        fix = ("use smaller CPU shares in placement (more on SSD), more micro-batches (smaller ones), shorter "
+               "sequences, or placement=None to have the planner place the model in the memory there is")
+        if need > have:
+            other = off_budget_bytes(shape, n_micro=m, device_type=kind)
+            raise ConfigError(
+                "placement", p,
+                f"needs about {fmt_bytes(need)} of CPU memory for this model and batch at micro_batches={m} "
+                f"({fmt_bytes(need - other)} of placed data and buffers, {fmt_bytes(other)} of "
+                f"{'the CPU device working set and ' if kind == 'cpu' else ''}runtime overhead), more than "
+                f"{'cpu_memory_bytes=' if given else 'the '}{fmt_bytes(have)}{'' if given else ' available now'}",
+                fix,
+            )
+        if kind == "cuda":
+            free = device_memory_bytes(self.device)
+            dev = device_memory(shape, n_micro=m)
+            if cfg.device_memory_bytes is not None:
+                free = cfg.device_memory_bytes
+            if free is not None and dev > free:
+                raise ConfigError(
+                    "micro_batches", m,
+                    f"needs about {fmt_bytes(dev)} of device memory for this model and micro-batch, more than "
+                    f"the {fmt_bytes(free)} free", "use more micro-batches (smaller ones) or shorter sequences",
+                )
 
     async def _plan(self, first: Any) -> SnakeConfig:
         try:

@@ -79,3 +79,44 @@ def test_head_working_set_per_logit(dtype, size, targets):
     per_logit = (head_peak(dtype, large, targets) - head_peak(dtype, small, targets)) / ((large - small) * 8192)
     model = size + HEAD_FP32_BYTES_PER_LOGIT
     assert 0.95 * model <= per_logit <= 1.05 * model, (per_logit, model)
+
+
+def _fixed(tmp_path, **kw):
+    from snake import Placement, SnakeConfig
+
+    return SnakeConfig(micro_batches=2, placement=Placement(param=1, ckpt=1, opt=1), alpha=0.0, device="cpu",
+                       offload_dir=tmp_path / "off", **kw)
+
+
+@pytest.mark.asyncio
+async def test_a_fixed_placement_over_the_memory_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """A placement the user fixes was never checked against the memory: a run that could not
+    fit started and failed out of memory part-way (or swapped). It is now refused up front by
+    the planner's memory model, against cpu_memory_bytes or else what is available, with the
+    numbers and what to change; the same placement with room trains."""
+    import asyncio
+
+    import psutil
+
+    from snake import ConfigError, SnakeTrainer
+    from tests.helpers import batches, tiny_gpt
+
+    with pytest.raises(ConfigError, match=r"placement=.* needs about .* of CPU memory .* more than "
+                                          r"cpu_memory_bytes=100\.0 MiB \(use smaller CPU shares"):
+        async with SnakeTrainer(tiny_gpt(n_layer=4, n_embd=256), data=batches(2, 8),
+                                config=_fixed(tmp_path, cpu_memory_bytes=100 * 2**20)) as t:
+            await asyncio.wait_for(t.run(1), 60)
+    assert not any((tmp_path / "off").iterdir()), "nothing may be written before the check"
+
+    class Tight:  # what psutil says when the machine has 150 MiB to give
+        available = 150 * 2**20
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight)
+    with pytest.raises(ConfigError, match=r"more than the 150\.0 MiB available now"):
+        async with SnakeTrainer(tiny_gpt(n_layer=4, n_embd=256), data=batches(2, 8), config=_fixed(tmp_path)) as t:
+            await asyncio.wait_for(t.run(1), 60)
+    monkeypatch.undo()
+
+    async with SnakeTrainer(tiny_gpt(n_layer=4, n_embd=256), data=batches(2, 8),
+                            config=_fixed(tmp_path, cpu_memory_bytes=400 * 2**20)) as t:
+        await asyncio.wait_for(t.run(1), 60)
