@@ -30,7 +30,7 @@ from planner.search import search
 from planner.solve import Infeasible, Plan, off_budget, predict_horizontal
 from snake.cli import device_name, positive_int
 from snake.config import MIN_SSD_BANDWIDTH
-from snake.errors import ConfigError
+from snake.errors import MISSING, ConfigError
 from snake.models.gpt import GPTConfig
 
 _UNITS = {
@@ -228,7 +228,7 @@ def _check_args(args: argparse.Namespace, *, measure: bool) -> None:
     block = args.model.block_size
     if isinstance(args.model, HFModel):
         if args.seq_len is None:
-            raise ConfigError("--seq-len", None, "is required with an hf: model",
+            raise ConfigError("--seq-len", MISSING, "is required with an hf: model",
                               "give the sequence length you will train on, e.g. --seq-len 2048")
         if block is not None and args.seq_len > block:
             raise ConfigError("--seq-len", args.seq_len, f"must be <= the model's max_position_embeddings={block}",

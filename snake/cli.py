@@ -9,12 +9,14 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -142,7 +144,7 @@ def _output_dir(option: str, text: str) -> Path:
 
 def _check_checkpoint_dir(text: str) -> None:
     """Refuse now a --checkpoint path that `trainer.save` would refuse after training (it only
-    replaces a snake checkpoint or an empty directory). Creates nothing."""
+    replaces a snake checkpoint or an empty directory), or could not write. Leaves nothing behind."""
     from snake.checkpoint import MANIFEST
 
     path = Path(text).expanduser()
@@ -151,14 +153,108 @@ def _check_checkpoint_dir(text: str) -> None:
         raise ConfigError("--checkpoint", text, "exists and is not a directory", fix)
     if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
         raise ConfigError("--checkpoint", text, f"is a directory with files but no {MANIFEST} (not a snake checkpoint)", fix)
-    parent = next(p for p in path.absolute().parents if p.exists())
-    if not parent.is_dir():
-        raise ConfigError("--checkpoint", text, f"cannot be created: {parent} is a file", fix)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError("--checkpoint", text, f"cannot be created: {parent} is not writable", fix)
+    # save writes .NAME.tmp-<12 hex> next to the target, then renames it over the target: the
+    # probe's name is one character longer
+    _check_can_create("--checkpoint", text, path.absolute().parent, fix, probe_prefix=f".{path.name}.tmp-probe")
+
+
+def _check_export_dir(text: str) -> None:
+    """Refuse now an --hf path that export could not write into. Leaves nothing behind."""
+    path = Path(text).expanduser()
+    fix = "pass a new or existing directory you can write to"
+    if path.exists() and not path.is_dir():
+        raise ConfigError("--hf", text, "exists and is not a directory", fix)
+    _check_can_create("--hf", text, path.absolute(), fix, probe_prefix=".snake-export-probe-")
+
+
+def _check_can_create(option: str, text: str, where: Path, fix: str, *, probe_prefix: str) -> None:
+    """Refuse `text` (given as `option`) when a directory cannot be made in `where` or its
+    nearest existing ancestor. os.access trusts the mode bits, which root passes where mkdir
+    still fails (sysfs, a read-only mount): so one is made there (named `probe_prefix` and 8
+    random characters) and removed at once."""
+    existing = next(p for p in (where, *where.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(option, text, f"cannot be created: {existing} is a file", fix)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=probe_prefix, dir=existing))
+    except OSError as e:
+        raise ConfigError(option, text, f"cannot be created in {existing} ({e.strerror})", fix) from None
+
+
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM stopped `snake train`: its run was cancelled and the trainer closed."""
+
+    def __init__(self, signum: int, steps: int) -> None:
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) after {steps} steps")
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_cancel_this_task() -> Iterator[list[int]]:
+    """While inside, SIGINT and SIGTERM cancel the running task, once: a later signal is
+    ignored, so the trainer's cleanup is not cut short. Yields the signals caught. The
+    handlers before are put back at the end (off the main thread, or where the loop has no
+    signal handlers, the signals keep them throughout)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    caught: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not caught:
+            task.cancel()
+        caught.append(signum)
+
+    before: dict[signal.Signals, Any] = {}
+    try:
+        for signum in _STOP_SIGNALS:
+            handler = signal.getsignal(signum)
+            try:
+                loop.add_signal_handler(signum, on_signal, signum)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue
+            before[signum] = handler
+        yield caught
+    finally:
+        for signum, handler in before.items():
+            loop.remove_signal_handler(signum)
+            if handler is not None:  # None: set outside Python; the removal leaves the default
+                signal.signal(signum, handler)
 
 
 async def _train(args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor) -> int:
+    """The run; _Interrupted when SIGINT or SIGTERM stopped it."""
+    steps: list[dict] = []
+    with _signals_cancel_this_task() as caught:
+        try:
+            return await _train_run(args, mcfg, config, corpus, steps)
+        except asyncio.CancelledError:
+            if not caught:
+                raise
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()  # the cancellation was ours and ends here
+            raise _Interrupted(caught[0], len(steps)) from None
+
+
+def _config_json(value: Any) -> Any:
+    """`asdict(config)` as JSON values: tuples as lists, paths as strings."""
+    if isinstance(value, dict):
+        return {k: _config_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_config_json(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+async def _train_run(
+    args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor, steps: list[dict]
+) -> int:
+    """Train, appending each step's numbers to `steps`, and write the run's files."""
     from snake.corpus import random_windows
     from snake.models import GPT
     from snake.timeline import plot_timeline
@@ -166,10 +262,9 @@ async def _train(args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig,
 
     torch.manual_seed(args.seed)
     print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
-    print("config:", json.dumps({k: str(v) for k, v in asdict(config).items()}))
+    print("config:", json.dumps(_config_json(asdict(config))))
     data = random_windows(corpus, batch=args.batch, seq=args.seq, seed=args.seed, holdout=HOLDOUT)
     out = Path(args.out)
-    steps: list[dict] = []
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
         bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
         links: dict[str, str] = {}
@@ -190,10 +285,11 @@ async def _train(args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig,
             bar.close()
         wall = time.perf_counter() - t0
         trainer.trace.save(out / "trace.json")
-        plot_timeline(list(trainer.trace.spans), out / "timeline.png", window_s=_window(steps))
+        spans = list(trainer.trace.spans)
+        plot_timeline(spans, out / "timeline.png", window_s=_window(steps), dropped=trainer.trace.recorded - len(spans))
         report_json = {
             "model": asdict(mcfg),
-            "config": {k: str(v) for k, v in asdict(config).items()},
+            "config": _config_json(asdict(config)),
             "steps": steps,
             "wall_seconds": wall,
             "tokens_per_s": sum(s["tokens"] for s in steps) / wall,
@@ -331,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         from snake.export import export_checkpoint_hf
 
         try:
+            _check_export_dir(args.hf)  # before the checkpoint is read
             out = export_checkpoint_hf(args.checkpoint, args.hf)
         except SnakeError as e:
             print(f"snake export: {e}", file=sys.stderr)
@@ -359,14 +456,18 @@ def _train_main(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run  # type: ignore[assignment]
-    with contextlib.ExitStack() as stack:
-        offload_dir = args.offload_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="snake-offload-"))
-        config = _snake_config(args, offload_dir)
-        # the run writes these at its end: refuse a bad path now, not after training
-        if args.checkpoint:
-            _check_checkpoint_dir(args.checkpoint)
-        _output_dir("--out", args.out)
-        return runner(_train(args, mcfg, config, corpus))
+    try:
+        with contextlib.ExitStack() as stack:
+            offload_dir = args.offload_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="snake-offload-"))
+            config = _snake_config(args, offload_dir)
+            # the run writes these at its end: refuse a bad path now, not after training
+            if args.checkpoint:
+                _check_checkpoint_dir(args.checkpoint)
+            _output_dir("--out", args.out)
+            return runner(_train(args, mcfg, config, corpus))
+    except _Interrupted as e:  # the temporary offload directory is gone by now; a given one stays
+        print(f"snake train: {e}", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

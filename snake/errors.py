@@ -7,14 +7,17 @@ class SnakeError(Exception):
     """Base class of every error snake raises on purpose."""
 
 
+MISSING = object()  # ConfigError's value for a field that was not given at all
+
+
 class ConfigError(SnakeError, ValueError):
-    """A configuration field has a bad value. The message names the field, the value,
-    the rule and the fix. Raised before any state is touched."""
+    """A configuration field has a bad value. The message names the field, the value
+    (none for MISSING), the rule and the fix. Raised before any state is touched."""
 
     def __init__(self, field: str, value: object, rule: str, fix: str = "") -> None:
         self.field = field
         self.value = value
-        msg = f"{field}={value!r} {rule}"
+        msg = f"{field} {rule}" if value is MISSING else f"{field}={value!r} {rule}"
         if fix:
             msg += f" ({fix})"
         super().__init__(msg)

@@ -284,6 +284,13 @@ def load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
             )
         kwargs.setdefault("use_safetensors", True)
         kwargs.setdefault("local_files_only", True)
+        files = path / kwargs.get("subfolder", "")
+        if kwargs["use_safetensors"] and (files / "config.json").is_file() and not any(files.glob("*.safetensors")):
+            raise ModelError(
+                f"load_hf: {str(files)!r} has a config.json but no *.safetensors weights; for a model "
+                f"with fresh weights from that config pass the config: "
+                f"load_hf(transformers.AutoConfig.from_pretrained({str(files)!r}))"
+            )
         return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     raise ModelError(
         f"load_hf: expected a transformers PretrainedConfig or a directory path, got "

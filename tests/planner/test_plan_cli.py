@@ -181,7 +181,7 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
     ("model", "extra", "says"),
     [
         ("hf:{tmp}/none", ["--seq-len", "32"], "is not a directory with a config.json"),
-        ("hf:{tmp}/llama", [], "--seq-len=None is required with an hf: model"),
+        ("hf:{tmp}/llama", [], "snake plan: --seq-len is required with an hf: model ("),
         ("hf:{tmp}/llama", ["--seq-len", "100"], "must be <= the model's max_position_embeddings=64"),
     ],
 )
