@@ -188,8 +188,11 @@ def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) ->
         "predicted_tokens_per_s": plan.predicted_tokens_per_s,
         "binding": list(plan.binding),
         "layer_seconds": plan.layer_seconds,
+        # placed data and its buffers; the rest of the process (runtime overhead, a CPU
+        # device's working set); their sum, what cpu_memory_bytes bounds
         "host_memory_bytes": plan.host_memory_bytes,
         "host_off_budget_bytes": off_budget(profile, plan.n_micro),
+        "host_total_bytes": plan.host_memory_bytes + off_budget(profile, plan.n_micro),
         "ssd_bytes_per_iteration": plan.ssd_bytes_per_iteration,
         "horizontal_iteration_seconds_same_placement": horizontal_seconds,
         "profile": profile.to_json(),
@@ -207,8 +210,9 @@ def format_table(d: dict) -> str:
         ("iteration", f"{d['predicted_iteration_seconds']:.4g} s"),
         ("throughput", f"{d['predicted_tokens_per_s']:.4g} tokens/s"),
         ("binding", ", ".join(d["binding"]) or "-"),
-        ("host memory", f"{(d['host_memory_bytes'] + d['host_off_budget_bytes']) / gib:.2f} of "
-         f"{prof['cpu_memory_bytes'] / gib:.2f} GiB ({d['host_memory_bytes'] / gib:.2f} placed data)"),
+        ("host memory", f"{d['host_total_bytes'] / gib:.2f} of {prof['cpu_memory_bytes'] / gib:.2f} GiB "
+         f"({d['host_memory_bytes'] / gib:.2f} placed data and buffers, the rest runtime"
+         f"{' and the CPU device' if prof.get('device') == 'cpu' else ''})"),
         ("SSD traffic", f"{d['ssd_bytes_per_iteration'] / gib:.3f} GiB/iteration"),
         ("horizontal, same", f"{d['horizontal_iteration_seconds_same_placement']:.4g} s/iteration"),
         ("measured", f"fwd {prof['fwd_seconds'] * 1e3:.3g} ms, recompute "

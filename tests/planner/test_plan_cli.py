@@ -38,6 +38,8 @@ def test_json_output_has_the_plan(tmp_path, capsys):
     assert d["micro_batches"] >= 1 and 0 <= d["alpha"] <= 0.5
     assert isinstance(d["binding"], list) and d["binding"]
     assert d["predicted_tokens_per_s"] > 0
+    # the text's "host memory" total is a key of its own
+    assert d["host_total_bytes"] == pytest.approx(d["host_memory_bytes"] + d["host_off_budget_bytes"])
 
 
 def test_table_output_and_plot(tmp_path, capsys):
