@@ -14,6 +14,7 @@ share below 1 costs SSD operations only for the units on SSD, not a small tail f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 from collections.abc import Hashable, Iterable
@@ -167,9 +168,14 @@ class TierStore:
         return int(self.cpu.numel()) * self.esize
 
     def close(self) -> None:
+        """Close the tier's file and remove it: it is scratch space, useless once closed
+        (a run resumes from a checkpoint), and left behind it held GBs of a disk."""
         if self.file is not None:
+            path = self.file.path
             self.file.close()
             self.file = None
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def scatter(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:

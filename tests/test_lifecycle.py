@@ -118,13 +118,24 @@ async def test_an_engine_that_fails_after_opening_its_files_closes_them(tmp_path
     def no_memory(self):
         raise MemoryError("no room for the staging pools")
 
+    import snake.stores
+
+    made = []
+    real_open = snake.stores.open_storage
+
+    def recording_open(path, *a, **kw):
+        made.append(path)
+        return real_open(path, *a, **kw)
+
     monkeypatch.setattr(Engine, "_make_pools", no_memory)
+    monkeypatch.setattr(snake.stores, "open_storage", recording_open)
     off = tmp_path / "off"
     t = SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=config(off))
     with pytest.raises(MemoryError):
         await t.run(1)
-    assert list(off.glob("*.bin")), "the files were made"
+    assert made, "the files were made"
     assert not open_bin_files(off)
+    assert not list(off.glob("*.bin")), "and removed: scratch space"
     await t.close()
     assert not snake_threads()
 
