@@ -56,11 +56,16 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
     else:
         hf = _try_hf(model)
         if hf is None:
-            raise ModelError(
-                f"model: cannot find uniform transformer blocks in {type(model).__name__}; "
-                "pass snake.ModelParts(model, blocks=..., blocks_prefix=..., pre=..., post=...) "
-                "describing its embedding (pre), its layers (blocks) and its head (post)"
-            )
+            fix = ("pass snake.ModelParts(model, blocks=..., blocks_prefix=..., pre=..., post=...) "
+                   "describing its embedding (pre), its layers (blocks) and its head (post)")
+            if type(model).__module__.startswith("transformers."):
+                from snake.hf import supported
+
+                raise ModelError(
+                    f"model: snake does not know how the layers of {type(model).__name__} compose "
+                    f"(it recognises {supported()}); {fix}"
+                )
+            raise ModelError(f"model: cannot find uniform transformer blocks in {type(model).__name__}; {fix}")
         parts = hf
     check_parts(parts)
     return parts

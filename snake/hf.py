@@ -1,7 +1,8 @@
 """Hugging Face `transformers` causal LMs as snake models (the `hf` extra).
 
 `describe_hf(model)` recognises GPT-2 (`GPT2LMHeadModel`) and the Llama family
-(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`) and returns the `ModelParts`
+(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`, and Qwen3, Phi-3, OLMo,
+OLMo 2, StableLM, StarCoder2 and Gemma, which compose the same way) and returns the `ModelParts`
 snake streams: the decoder layers are the blocks, the embeddings are `pre`, the final norm
 and the LM head are `post`. Any other model gives None (snake then asks for an explicit
 `snake.ModelParts`).
@@ -26,6 +27,7 @@ import inspect
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,14 @@ from snake.errors import DataError, ModelError
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
 
-_LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# decoder-only models whose layers, embedding (`model.embed_tokens`), final norm
+# (`model.norm`) and head (`lm_head`) compose as Llama's; each is checked against plain
+# PyTorch in tests/test_hf.py. Not here: Granite (multipliers outside its layers), Phi
+# (no model.norm), Cohere, Gemma 2/3 (layer-dependent attention), Mixtral (router losses)
+_LLAMA_FAMILY = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
+)
 # attention implementations that mask causally by themselves when given no mask
 _SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 _SUPPORTED_ATTN = ("eager", *_SELF_CAUSAL)
@@ -56,6 +65,16 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
         return None
     import transformers
 
+    # transformers 5 renamed the flag (the old name warns); 4.x has only the old one
+    flag = next((a for a in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), a)), None)
+    if flag is not None and getattr(model, flag):
+        warnings.warn(
+            f"snake: {type(model).__name__} has gradient checkpointing enabled; snake keeps one "
+            "checkpoint per layer and recomputes each layer itself, so the model's own checkpointing "
+            "only adds another forward per layer: disable it (model.activation_checkpointing_disable(); "
+            "gradient_checkpointing_disable() before transformers 5)",
+            stacklevel=3,
+        )
     if isinstance(model, transformers.GPT2LMHeadModel):
         return _gpt2_parts(model)
     for name in _LLAMA_FAMILY:
@@ -63,6 +82,11 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
         if cls is not None and isinstance(model, cls):
             return _llama_parts(model)
     return None
+
+
+def supported() -> str:
+    """The Hugging Face classes describe_hf recognises, for messages."""
+    return ", ".join(("GPT2LMHeadModel", *_LLAMA_FAMILY))
 
 
 def _attn_impl(model: nn.Module) -> str:

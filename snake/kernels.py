@@ -148,7 +148,10 @@ class Kernels:
     def pre(self, idx: torch.Tensor, t: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, -1, m):
             h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
-        return h.to(self.dtype).contiguous()
+        # detached: a hook can mark the embedding's output as needing gradients even under
+        # no_grad (transformers' gradient_checkpointing_enable), and the copy of such a leaf
+        # into the checkpoint buffers would pull them into autograd
+        return h.detach().to(self.dtype).contiguous()
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, layer, m):
