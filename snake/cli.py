@@ -149,6 +149,10 @@ def _check_checkpoint_dir(text: str) -> None:
 
     path = Path(text).expanduser()
     fix = "pick a new or empty directory, or an earlier snake checkpoint to replace"
+    try:
+        path.exists()
+    except OSError as e:  # a name past the file system's limit (ENAMETOOLONG), say
+        raise ConfigError("--checkpoint", text, f"cannot be used ({e.strerror})", fix) from None
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ConfigError("--checkpoint", text, "exists and is not a directory", fix)
     if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():

@@ -73,6 +73,11 @@ def test_checkpoint_that_cannot_be_created_is_refused_before_training(tmp_path, 
             assert not (tmp_path / "out").exists()  # refused before training: --out is made after
             assert not ck.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]  # the probe left nothing
+    # a name past the file system's limit was an OSError traceback from Path.exists
+    ck = tmp_path / ("c" * 300)
+    rc, err = _main(capsys, "train", *SMALL, "--steps", "1", "--out", str(tmp_path / "out"),
+                    "--offload-dir", str(tmp_path / "off"), "--checkpoint", str(ck))
+    assert rc == 2 and err.startswith(f"snake train: --checkpoint='{ck}' cannot be used (File name too long)"), err
 
 
 def test_train_writes_json_values_in_report_config(tmp_path, capsys):
