@@ -143,7 +143,11 @@ def _llama_parts(model: nn.Module) -> ModelParts:
     rotary = _Rotary(getattr(inner, "rotary_emb", None))
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
-        return m.model.embed_tokens(idx)
+        h = m.model.embed_tokens(idx)
+        p = getattr(m.model, "embedding_dropout", 0.0)  # StarCoder2's, outside its layers
+        if isinstance(p, float) and p > 0.0:
+            h = nn.functional.dropout(h, p=p, training=m.training)
+        return h
 
     def post(m: Any, h: torch.Tensor) -> torch.Tensor:
         return m.lm_head(m.model.norm(h))

@@ -144,6 +144,25 @@ def test_more_of_the_family_match_their_forward(kind):
 
 
 @pytest.mark.asyncio
+async def test_starcoder2_embedding_dropout_is_applied(tmp_path):
+    """StarCoder2 drops out its embeddings outside its layers: `pre` left it out, and a run
+    with embedding_dropout 0.5 gave bitwise the weights of one without (an audit's find)."""
+    model = make("starcoder2", embedding_dropout=0.5).train()
+    parts = describe(model)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.manual_seed(7)
+        got = parts.pre(model, idx)
+        torch.manual_seed(7)
+        want = nn.functional.dropout(model.model.embed_tokens(idx), p=0.5, training=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    data = batches(2, 4, seq=16, vocab=VOCAB)
+    dropped = await train_snake(model, data, tmp_path / "a", steps=2)
+    kept = await train_snake(make("starcoder2"), data, tmp_path / "b", steps=2)
+    assert any(not torch.equal(dropped[k], kept[k]) for k in kept)
+
+
+@pytest.mark.asyncio
 async def test_gradient_checkpointing_enabled_trains_and_warns(tmp_path):
     """transformers' gradient_checkpointing_enable() hooks the embedding to mark its output
     as needing gradients, even under no_grad: the copy of that output into the checkpoint
