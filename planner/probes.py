@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from snake.adapters import ModelParts, describe, hidden_size, vocab_size
+from snake.adapters import ModelParts, call_block, describe, hidden_size, vocab_size
 from snake.config import AdamW, SnakeConfig
 from snake.device import pin_host_memory, synchronize
 from snake.io import open_storage
@@ -121,7 +121,7 @@ def block_seconds(
 
     def recompute() -> None:
         with torch.enable_grad():
-            parts.block_fn(next_block(), xr)
+            call_block(parts, next_block(), xr, 0)
 
     def bwd_total() -> None:
         kernels.block_bwd(next_slot(), x, grad_out, acc, t=0, layer=0, m=0, accumulate=True)

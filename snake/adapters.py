@@ -3,6 +3,7 @@ and N uniform `blocks` (hidden -> hidden) that stream through the device."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from snake.errors import ModelError
 
 PreFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 PostFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-BlockFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+BlockFn = Callable[..., torch.Tensor]  # (block, hidden) or (block, hidden, *, layer)
 
 
 def _call_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,11 @@ class ModelParts:
     model: owns every parameter. blocks: the uniform layers, in order, all submodules of
     `model` under `blocks_prefix` (state_dict keys `f"{blocks_prefix}.{i}.{name}"`).
     pre(model, idx) -> hidden; post(model, hidden) -> logits; block_fn(block, hidden) ->
-    hidden (default: `block(hidden)`). Parameters outside the blocks are resident;
-    tied weights must be there."""
+    hidden (default: `block(hidden)`). A block_fn with a `layer` parameter is called as
+    block_fn(block, hidden, layer=i): every layer runs through one copy of block 0 whose
+    parameters are swapped in, so what differs between layers other than their
+    parameters (an attention window, a rotary embedding) must come from the index.
+    Parameters outside the blocks are resident; tied weights must be there."""
 
     model: nn.Module
     blocks: Sequence[nn.Module]
@@ -69,6 +73,21 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
         parts = hf
     check_parts(parts)
     return parts
+
+
+def takes_layer(fn: BlockFn) -> bool:
+    """Whether a block function wants the layer index (a parameter named `layer`)."""
+    try:
+        return "layer" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
+        return False
+
+
+def call_block(parts: ModelParts, block: nn.Module, h: torch.Tensor, layer: int) -> torch.Tensor:
+    """parts.block_fn on layer `layer`, with the index if it takes one."""
+    if takes_layer(parts.block_fn):
+        return parts.block_fn(block, h, layer=layer)
+    return parts.block_fn(block, h)
 
 
 def _gpt_pre(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -218,6 +237,34 @@ def hidden_size(parts: ModelParts) -> int:
     p = next(model.parameters())
     with torch.no_grad():
         return int(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).shape[-1])
+
+
+def input_rows(parts: ModelParts) -> int | None:
+    """The input ids a described model's `pre` takes, [0, rows): found by trying one token
+    at each resident embedding's first id past its table (the one that fails, while the
+    id before it runs, is what indexes the inputs). None where no such embedding is found,
+    or the weights are on a GPU, where an index past a table is a device-side assert that
+    breaks the CUDA context rather than an error."""
+    model = parts.model
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        return None
+    prefix = parts.blocks_prefix + "."
+    tables = sorted({int(mod.num_embeddings) for name, mod in model.named_modules()
+                     if isinstance(mod, nn.Embedding) and not name.startswith(prefix)})
+
+    def runs(token: int) -> bool:
+        try:
+            with torch.no_grad():
+                parts.pre(model, torch.full((1, 1), token, dtype=torch.long))
+        except (IndexError, RuntimeError):
+            return False
+        return True
+
+    for rows in tables:
+        if rows > 0 and not runs(rows) and runs(rows - 1):
+            return rows
+    return None
 
 
 def vocab_size(parts: ModelParts) -> int:

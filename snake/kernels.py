@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from snake.adapters import ModelParts, block_param_names, resident_named_params
+from snake.adapters import ModelParts, block_param_names, resident_named_params, takes_layer
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
@@ -44,8 +44,11 @@ class _BlockCall(nn.Module):
         super().__init__()
         self.block = block
         self.fn = fn
+        self.with_layer = takes_layer(fn)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.with_layer:
+            return self.fn(self.block, x, layer=layer)
         return self.fn(self.block, x)
 
 
@@ -155,7 +158,7 @@ class Kernels:
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, layer, m):
-            y = self.bind(self.views(slot))(x)
+            y = self.bind(self.views(slot))(x, layer)
         return y.contiguous()
 
     def head(
@@ -203,7 +206,7 @@ class Kernels:
         params = [v.detach().requires_grad_(True) for v in self.views(slot)]
         x = x.detach().requires_grad_(True)
         with torch.enable_grad(), self.rng(t, layer, m):
-            y = self.bind(params)(x)
+            y = self.bind(params)(x, layer)
             grads = torch.autograd.grad(y, [x, *params], grad_outputs=gy, allow_unused=True)
         for a, g in zip(acc.split(self.block_numels), grads[1:], strict=True):
             if g is None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from snake.actors.compute import StepReport
 from snake.actors.optimizer import flush_delayed
-from snake.adapters import ModelParts, block_param_names, describe, vocab_size
+from snake.adapters import ModelParts, block_param_names, describe, input_rows, vocab_size
 from snake.blocking import run_blocking, settle
 from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
@@ -243,16 +243,22 @@ class SnakeTrainer:
         """The token-id ranges batches are checked against: the model config's vocab_size
         for inputs and targets. A model without one (a ModelParts) has its head's width
         measured (one token through its embedding and head) for the targets, which an
-        out-of-range id would otherwise fail deep in the loss; its inputs go unchecked."""
+        out-of-range id would otherwise fail deep in the loss, and its embedding's rows
+        found (`input_rows`) for the inputs; what cannot be measured goes unchecked."""
         cfg = getattr(self.parts.model, "config", None)
         v = getattr(cfg, "vocab_size", None)
         if isinstance(v, int):
             return Vocab(v, v)
         try:
-            return Vocab(None, vocab_size(self.parts))
+            inputs = input_rows(self.parts)
+        except Exception as exc:  # a pre that cannot take one token: not checked
+            log.debug("snake: the model's embedding rows could not be found (%s); inputs unchecked", exc)
+            inputs = None
+        try:
+            return Vocab(inputs, vocab_size(self.parts))
         except Exception as exc:  # an embedding or head that cannot take one token: not checked
             log.debug("snake: the model's logits per token could not be measured (%s); targets unchecked", exc)
-            return Vocab()
+            return Vocab(inputs, None)
 
     async def _setup(self) -> None:
         """Build the engine from the first batch. On failure before the engine exists

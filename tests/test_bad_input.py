@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from snake import AdamW, ConfigError, DataError, ModelError, Placement, SnakeConfig, SnakeTrainer
+from snake.adapters import input_rows
 from tests.helpers import batches, tiny_gpt
 
 
@@ -353,3 +354,20 @@ async def test_targets_past_the_heads_width_are_a_data_error_without_a_config(tm
     async with SnakeTrainer(_no_config_parts(), data=[(x, y)], config=cfg) as trainer:
         report = await asyncio.wait_for(trainer.run(1), 30)
     assert report.steps[0].loss == report.steps[0].loss  # not NaN
+
+
+@pytest.mark.asyncio
+async def test_input_ids_past_the_embedding_are_a_data_error_without_a_config(tmp_path):
+    """The same model's inputs: an id past its embedding's 40 rows was an IndexError in the
+    compute actor (ActorFailed); now a DataError naming the range, before anything is
+    written. Its head is narrower (24), so the inputs' range is the embedding's own."""
+    parts = _no_config_parts()
+    assert input_rows(parts) == 40
+    x = torch.randint(0, 40, (4, 8), generator=torch.Generator().manual_seed(0))
+    x[1, 3] = 40
+    off = tmp_path / "off"
+    cfg = SnakeConfig(micro_batches=2, offload_dir=off, device="cpu", placement=Placement(), alpha=0.0)
+    async with SnakeTrainer(parts, data=[(x, torch.zeros(4, 8, dtype=torch.long))], config=cfg) as trainer:
+        with pytest.raises(DataError, match=r"token ids must be in \[0, 40\), got min \d+, max 40"):
+            await asyncio.wait_for(trainer.run(1), 30)
+    assert not any(off.iterdir()), "no state may be written before the input is checked"

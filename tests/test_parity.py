@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from snake import Placement
+from snake import ModelParts, Placement
 from tests.helpers import (
     assert_close_state,
     assert_tracks_updates,
@@ -217,3 +217,52 @@ async def test_ignored_targets_weigh_as_in_one_big_batch(tmp_path, schedule):
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
     whole = [torch.nn.functional.cross_entropy(model(x).reshape(-1, 96), y.reshape(-1)).item() for x, y in data[:1]]
     assert report.steps[0].loss == pytest.approx(whole[0], abs=1e-5)  # the big batch's mean, before any step
+
+
+class _StridedLM(torch.nn.Module):
+    """Layers that differ by something other than their parameters: layer i adds a
+    residual scaled by 1 / (i + 1) (an attribute, as an attention window would be)."""
+
+    def __init__(self, n: int = 3, d: int = 16, vocab: int = 96) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        for i, layer in enumerate(self.layers):
+            layer.residual = 1.0 / (i + 1)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = h + layer.residual * torch.tanh(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_a_block_fn_with_the_layer_index_trains_layers_that_differ(tmp_path, schedule):
+    """Every layer runs through one copy of block 0, so an attribute of layer 2 is not there;
+    a block_fn that takes `layer` gets the index (forward and the backward's recompute)
+    and matches the model's own forward. The same model through a block_fn without the
+    index runs every layer as layer 0 and does not match (what the index is for)."""
+    model = _StridedLM()
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    residual = [layer.residual for layer in model.layers]
+
+    def parts(block_fn):
+        return ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                          pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h), block_fn=block_fn)
+
+    def with_index(block, h, layer):
+        return h + residual[layer] * torch.tanh(block(h))
+
+    def as_attribute(block, h):
+        return h + block.residual * torch.tanh(block(h))
+
+    kw = dict(micro_batches=2, placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, schedule=schedule)
+    got, _, _ = await train(parts(with_index), data, 3, offload_dir=tmp_path / "a", **kw)
+    assert_close_state(got, want)
+    shell, _, _ = await train(parts(as_attribute), data, 3, offload_dir=tmp_path / "b", **kw)
+    assert not torch.allclose(shell["layers.2.weight"], want["layers.2.weight"], atol=1e-4)
