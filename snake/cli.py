@@ -450,6 +450,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_main(args: argparse.Namespace) -> int:
+    # until the event loop takes SIGINT and SIGTERM over (_signals_cancel_this_task), they
+    # raise here, so a temporary offload directory made meanwhile is removed on the way out
+    before = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    try:
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, _interrupt_setup)
+    except ValueError:  # off the main thread: the signals keep their handlers
+        before = {}
+    try:
+        return _train_setup_and_run(args)
+    except _Interrupted as e:  # the temporary offload directory is gone by now; a given one stays
+        print(f"snake train: {e}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for signum, handler in before.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def _interrupt_setup(signum: int, frame: Any) -> None:
+    raise _Interrupted(signum, 0)
+
+
+def _train_setup_and_run(args: argparse.Namespace) -> int:
     from snake.corpus import pydoc_bytes
 
     corpus = pydoc_bytes()
@@ -460,18 +484,14 @@ def _train_main(args: argparse.Namespace) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run  # type: ignore[assignment]
-    try:
-        with contextlib.ExitStack() as stack:
-            offload_dir = args.offload_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="snake-offload-"))
-            config = _snake_config(args, offload_dir)
-            # the run writes these at its end: refuse a bad path now, not after training
-            if args.checkpoint:
-                _check_checkpoint_dir(args.checkpoint)
-            _output_dir("--out", args.out)
-            return runner(_train(args, mcfg, config, corpus))
-    except _Interrupted as e:  # the temporary offload directory is gone by now; a given one stays
-        print(f"snake train: {e}", file=sys.stderr)
-        return 128 + e.signum
+    with contextlib.ExitStack() as stack:
+        offload_dir = args.offload_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="snake-offload-"))
+        config = _snake_config(args, offload_dir)
+        # the run writes these at its end: refuse a bad path now, not after training
+        if args.checkpoint:
+            _check_checkpoint_dir(args.checkpoint)
+        _output_dir("--out", args.out)
+        return runner(_train(args, mcfg, config, corpus))
 
 
 if __name__ == "__main__":

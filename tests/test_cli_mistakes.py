@@ -126,6 +126,28 @@ def test_signal_stops_train_in_one_line_and_removes_its_offload_dir(tmp_path, si
     assert list(tmp.glob("snake-offload-*")) == []
 
 
+@pytest.mark.parametrize(("signum", "rc"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_before_the_event_loop_removes_the_offload_dir(tmp_path, monkeypatch, capsys, signum, rc):
+    """A signal after the temporary offload directory is made but before the event loop
+    takes the signals over: SIGTERM ended the process there (the directory stayed) and
+    SIGINT was a traceback. Now both are the same one line, and the directory is gone."""
+    monkeypatch.setattr(cli.tempfile, "tempdir", str(tmp_path))
+    made = []
+
+    def config_then_signal(args, offload_dir):
+        made.append(Path(offload_dir))
+        os.kill(os.getpid(), signum)
+        return None
+
+    monkeypatch.setattr(cli, "_snake_config", config_then_signal)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc_got, err = _main(capsys, "train", *SMALL, "--steps", "1", "--out", str(tmp_path / "out"))
+    assert rc_got == rc, err
+    assert err.strip() == f"snake train: interrupted ({signal.Signals(signum).name}) after 0 steps"
+    assert made and made[0].name.startswith("snake-offload-") and not made[0].exists()
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # put back
+
+
 def test_signal_leaves_a_given_offload_dir(tmp_path):
     off = tmp_path / "off"
     argv = [sys.executable, "-m", "snake.cli", "train", *SMALL, "--steps", "500", "--out", str(tmp_path / "out"),
