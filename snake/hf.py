@@ -1,17 +1,18 @@
 """Hugging Face `transformers` causal LMs as snake models (the `hf` extra).
 
-`describe_hf(model)` recognises GPT-2 (`GPT2LMHeadModel`) and the Llama family
-(`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`, and Qwen3, Phi-3, OLMo,
-OLMo 2, StableLM, StarCoder2 and Gemma, which compose the same way) and returns the `ModelParts`
-snake streams: the decoder layers are the blocks, the embeddings are `pre`, the final norm
-and the LM head are `post`. Any other model gives None (snake then asks for an explicit
-`snake.ModelParts`).
+`describe_hf(model)` recognises GPT-2 (`GPT2LMHeadModel`) and the Llama family (the classes
+in `_LLAMA_FAMILY`, dense and mixture-of-experts, which compose as `LlamaForCausalLM` does)
+and returns the `ModelParts` snake streams: the decoder layers are the blocks, the
+embeddings are `pre`, the final norm and the LM head are `post` (with what a model does
+around its layers: Granite's multipliers, Cohere's logit scale, Gemma's soft cap). Any
+other model gives None (snake then asks for an explicit `snake.ModelParts`).
 
 Blocks run outside the model's own `forward`, so the block function supplies what the
-model would pass its layers: a causal mask (None for SDPA / flash attention, which mask
-causally themselves; an additive 4D mask for eager attention or a sliding window shorter
-than the sequence), position ids 0..T-1, and for the Llama family the rotary
-`position_embeddings` (cos, sin) from the model's `rotary_emb`. No KV cache is used.
+model would pass each layer (it takes the layer's index): a causal mask (None for SDPA /
+flash attention, which mask causally themselves; an additive 4D mask for eager attention or
+a sliding window shorter than the sequence, per layer where `layer_types` mix them),
+position ids 0..T-1, and for the Llama family the rotary `position_embeddings` (cos, sin)
+from the model's `rotary_emb` (per attention type for Gemma 3). No KV cache is used.
 
 Dropout is safe: snake forks the RNG per (iteration, layer, micro-batch), so the backward's
 recompute of a layer draws the same masks as its forward.
@@ -40,13 +41,22 @@ from snake.errors import DataError, ModelError
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
 
-# decoder-only models whose layers, embedding (`model.embed_tokens`), final norm
-# (`model.norm`) and head (`lm_head`) compose as Llama's; each is checked against plain
-# PyTorch in tests/test_hf.py. Not here: Granite (multipliers outside its layers), Phi
-# (no model.norm), Cohere, Gemma 2/3 (layer-dependent attention), Mixtral (router losses)
+# decoder-only models whose embedding (`model.embed_tokens`), layers (`model.layers`), final
+# norm and head (`lm_head`) compose as Llama's, with what some of them do outside their
+# layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`); each is
+# trained against plain PyTorch in tests/test_hf.py. Not here: Cohere 2 and Exaone 4
+# (layers that read their own type), Llama 4, hybrids of attention and recurrent layers
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "CohereForCausalLM", "PhiForCausalLM",
+    "GlmForCausalLM", "Glm4ForCausalLM", "HeliumForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM",
+)
+# without `layer_types`, these window every layer's attention by config.sliding_window when
+# it is set (their forward picks create_sliding_window_causal_mask then)
+_WINDOW_FROM_CONFIG = (
+    "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM", "Qwen3MoeForCausalLM",
 )
 # attention implementations that mask causally by themselves when given no mask
 _SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -80,7 +90,7 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
     for name in _LLAMA_FAMILY:
         cls = getattr(transformers, name, None)
         if cls is not None and isinstance(model, cls):
-            return _llama_parts(model)
+            return _llama_parts(model, name)
     return None
 
 
@@ -135,31 +145,38 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
     )
 
 
-def _llama_parts(model: nn.Module) -> ModelParts:
+def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     inner: Any = model.model
     impl = _attn_impl(model)
-    window = _sliding_window(model, impl)
-    masks = _MaskCache(impl, window=window)
+    _refuse_what_layers_cannot_carry(model)
+    windows, kinds = _layer_kinds(model, impl, name)
+    masks = {w: _MaskCache(impl, window=w) for w in set(windows)}
     rotary = _Rotary(getattr(inner, "rotary_emb", None))
+    outside = _Outside(model, name)
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
-        h = m.model.embed_tokens(idx)
-        p = getattr(m.model, "embedding_dropout", 0.0)  # StarCoder2's, outside its layers
-        if isinstance(p, float) and p > 0.0:
-            h = nn.functional.dropout(h, p=p, training=m.training)
-        return h
+        return outside.pre(m, idx)
 
     def post(m: Any, h: torch.Tensor) -> torch.Tensor:
-        return m.lm_head(m.model.norm(h))
+        return outside.post(m, h)
 
-    def block_fn(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    uniform = len(set(zip(windows, kinds, strict=True))) == 1
+
+    def block_fn(block: nn.Module, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        if layer is None:  # a caller from before layers could differ
+            if not uniform:
+                raise ModelError(
+                    f"model: the layers of {name} differ by attention type; call its block_fn with "
+                    "the layer's index: block_fn(block, hidden, layer=i)"
+                )
+            layer = 0
         position_ids = torch.arange(h.shape[1], device=h.device)[None]
         kwargs: dict[str, Any] = {
-            "attention_mask": masks.get(h),
+            "attention_mask": masks[windows[layer]].get(h),
             "position_ids": position_ids,
             "use_cache": False,
         }
-        pe = rotary(h, position_ids)
+        pe = rotary(h, position_ids, kinds[layer])
         if pe is not None:
             kwargs["position_embeddings"] = pe
         return _hidden(block(h, **kwargs))
@@ -169,29 +186,94 @@ def _llama_parts(model: nn.Module) -> ModelParts:
     )
 
 
-def _sliding_window(model: nn.Module, impl: str) -> int | None:
-    """The attention window every layer uses, None for full causal attention; ModelError
-    where layers differ (snake streams every layer through one shell block)."""
+class _Outside:
+    """What a model of the Llama family does around its layers: the embedding (scaled by
+    Granite's multiplier; dropped out by Phi and StarCoder 2), and after the final norm
+    (`norm`, Phi's `final_layernorm`) and the head, the logits scaled (Cohere, Granite) or
+    soft-capped (Gemma 2 and 3), as their own forward does."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        config: Any = model.config
+        granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM")
+        self.embed_mult = float(config.embedding_multiplier) if granite else None
+        self.norm = "final_layernorm" if name == "PhiForCausalLM" else "norm"
+        self.logits_div = float(config.logits_scaling) if granite else None
+        self.logits_mult = float(config.logit_scale) if name == "CohereForCausalLM" else None
+        cap = getattr(config, "final_logit_softcapping", None) if name.startswith("Gemma") else None
+        self.softcap = float(cap) if cap else None
+
+    def pre(self, m: Any, idx: torch.Tensor) -> torch.Tensor:
+        h = m.model.embed_tokens(idx)
+        if self.embed_mult is not None:
+            h = h * self.embed_mult
+        drop = getattr(m.model, "embed_dropout", None)  # Phi's module
+        if isinstance(drop, nn.Module):
+            h = drop(h)
+        p = getattr(m.model, "embedding_dropout", 0.0)  # StarCoder2's rate
+        if isinstance(p, float) and p > 0.0:
+            h = nn.functional.dropout(h, p=p, training=m.training)
+        return h
+
+    def post(self, m: Any, h: torch.Tensor) -> torch.Tensor:
+        logits = m.lm_head(getattr(m.model, self.norm)(h))
+        if self.logits_div is not None:
+            logits = logits / self.logits_div
+        if self.logits_mult is not None:
+            logits = logits * self.logits_mult
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _refuse_what_layers_cannot_carry(model: nn.Module) -> None:
+    """ModelError for options whose effect spans layers, which snake's layer-by-layer
+    stream cannot reproduce."""
+    config: Any = model.config
+    name = type(model).__name__
+    if getattr(config, "output_router_logits", False):
+        raise ModelError(
+            f"model: {name} has output_router_logits=True, which adds the routers' load-balancing "
+            "loss over all layers' routing together; snake streams one layer at a time and trains "
+            "the language-model loss alone: set model.config.output_router_logits = False"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelError(
+            f"model: {name} has use_bidirectional_attention=True; snake trains causal language "
+            "models: set it to False"
+        )
+
+
+def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[int | None], list[str]]:
+    """Per layer: the attention window (None: full causal attention) and the attention type
+    (which rotary table Gemma 3 uses). ModelError for what snake cannot run."""
     config: Any = model.config
     n = int(config.num_hidden_layers)
-    name = type(model).__name__
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types:
-        kinds = set(list(types)[:n])
-        if len(kinds) > 1:
+        kinds = list(types)[:n]
+        for kind in sorted(set(kinds)):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
+        windows = [int(window) if kind == "sliding_attention" and window else None for kind in kinds]
+        if impl.startswith("flash_attention") and len(set(windows)) > 1:
             raise ModelError(
-                f"model: {name} mixes attention types across layers ({sorted(kinds)}); snake runs "
-                "every layer through one shell block: use one attention type for all layers or "
-                "pass snake.ModelParts"
+                f"model: {name} mixes attention types across layers ({sorted(set(kinds))}), which flash "
+                "attention takes from each layer's own attributes, and snake runs every layer through "
+                "one copy of layer 0: load it with attn_implementation='sdpa' (or 'eager')"
             )
-        kind = kinds.pop()
-        if kind == "full_attention":
-            return None
-        if kind == "sliding_attention":
-            return int(window) if window else None
-        raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
-    if "Qwen2" in name:
+        return windows, kinds
+    w = _uniform_window(model, impl, name)
+    return [w] * n, ["sliding_attention" if w else "full_attention"] * n
+
+
+def _uniform_window(model: nn.Module, impl: str, name: str) -> int | None:
+    """The window every layer uses in a model without `layer_types`, None for full causal
+    attention."""
+    config: Any = model.config
+    n = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if name == "Qwen2ForCausalLM":
         # transformers without layer_types: eager / SDPA window only where the model-level
         # mask builder takes the config (~4.48 to 4.52), then with config.sliding_window for
         # every layer; flash attention windows per layer (from max_window_layers on)
@@ -203,10 +285,11 @@ def _sliding_window(model: nn.Module, impl: str) -> int | None:
         if 0 < first_sliding < n:
             raise ModelError(
                 f"model: {name} uses sliding-window attention from layer {first_sliding} on and "
-                "full attention below; snake streams uniform layers: pass snake.ModelParts"
+                "full attention below, which flash attention takes from each layer: load it with "
+                "attn_implementation='sdpa' (or 'eager')"
             )
         return int(window) if first_sliding <= 0 else None
-    if "Mistral" in name:
+    if name in _WINDOW_FROM_CONFIG:
         return int(window) if window else None
     return None
 
@@ -269,15 +352,19 @@ class _MaskCache:
 class _Rotary:
     """(cos, sin) for positions 0..T-1 from a private copy of the model's `rotary_emb`, one
     copy per device (its buffers are the model's, outside the blocks, so the shell block
-    that snake runs on the device does not carry them). None where the model has no
-    model-level rotary embedding (older transformers: the layers compute it)."""
+    that snake runs on the device does not carry them); for the layer's attention type
+    where the table depends on it (Gemma 3: local and global bases). None where the model
+    has no model-level rotary embedding (older transformers: the layers compute it)."""
 
     def __init__(self, rotary: nn.Module | None) -> None:
         self.rotary = copy.deepcopy(rotary) if rotary is not None else None
+        self.per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self._per_device: dict[torch.device, nn.Module] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(
+        self, h: torch.Tensor, position_ids: torch.Tensor, kind: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.rotary is None:
             return None
         with self._lock:
@@ -286,7 +373,7 @@ class _Rotary:
                 mod = copy.deepcopy(self.rotary).to(h.device)
                 self._per_device[h.device] = mod
         with torch.no_grad():
-            cos, sin = mod(h, position_ids)
+            cos, sin = mod(h, position_ids, kind) if self.per_type else mod(h, position_ids)
         return cos, sin
 
 
@@ -297,10 +384,20 @@ def load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
     """A causal LM from a `transformers` config object (fresh weights, `from_config`) or a
     local directory with a config and safetensors weights (`from_pretrained`, no network).
     `kwargs` go to transformers (e.g. `attn_implementation`, `dtype`); the attention
-    implementation defaults to "sdpa"."""
+    implementation defaults to "sdpa", or "eager" for a model without SDPA (Gemma 2)."""
+    if "attn_implementation" not in kwargs:
+        try:
+            return _load_hf(path_or_config, attn_implementation="sdpa", **kwargs)
+        except ValueError as e:
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+        return _load_hf(path_or_config, attn_implementation="eager", **kwargs)
+    return _load_hf(path_or_config, **kwargs)
+
+
+def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    kwargs.setdefault("attn_implementation", "sdpa")
     if isinstance(path_or_config, PretrainedConfig):
         return AutoModelForCausalLM.from_config(path_or_config, **kwargs)
     if isinstance(path_or_config, str | os.PathLike):

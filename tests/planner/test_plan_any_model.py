@@ -26,9 +26,9 @@ def test_profile_of_a_hugging_face_model_reads_its_shape_and_times_its_blocks(tm
     calls = []
     block_fn = parts.block_fn
 
-    def counting(block, h):
+    def counting(block, h, layer):
         calls.append(h.shape)
-        return block_fn(block, h)
+        return block_fn(block, h, layer=layer)
 
     counted = ModelParts(model=model, blocks=parts.blocks, blocks_prefix=parts.blocks_prefix,
                          pre=parts.pre, post=parts.post, block_fn=counting)
