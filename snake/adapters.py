@@ -28,10 +28,11 @@ class ModelParts:
     model: owns every parameter. blocks: the uniform layers, in order, all submodules of
     `model` under `blocks_prefix` (state_dict keys `f"{blocks_prefix}.{i}.{name}"`).
     pre(model, idx) -> hidden; post(model, hidden) -> logits; block_fn(block, hidden) ->
-    hidden (default: `block(hidden)`). A block_fn with a `layer` parameter is called as
-    block_fn(block, hidden, layer=i): every layer runs through one copy of block 0 whose
-    parameters are swapped in, so what differs between layers other than their
-    parameters (an attention window, a rotary embedding) must come from the index.
+    hidden (default: `block(hidden)`). Every layer runs through one copy of block 0 with
+    its parameters swapped in; that copy also takes each layer's scalar attributes (int,
+    float, bool, str, None: an index, a window, a flag) where the layers differ. Anything
+    else that differs between layers (a rotary table outside the block) must come from the
+    index: a block_fn with a `layer` parameter is called as block_fn(block, hidden, layer=i).
     Parameters outside the blocks are resident; tied weights must be there."""
 
     model: nn.Module

@@ -43,15 +43,17 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 
 # decoder-only models whose embedding (`model.embed_tokens`), layers (`model.layers`), final
 # norm and head (`lm_head`) compose as Llama's, with what some of them do outside their
-# layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`); each is
-# trained against plain PyTorch in tests/test_hf.py. Not here: Cohere 2 and Exaone 4
-# (layers that read their own type), Llama 4, hybrids of attention and recurrent layers
+# layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`; what a layer
+# reads from its own attributes, snake's kernels set per layer); each is trained against
+# plain PyTorch in tests/test_hf.py. Not here: Llama 4 (layers of two parameter shapes),
+# hybrids of attention and recurrent layers
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "CohereForCausalLM", "PhiForCausalLM",
     "GlmForCausalLM", "Glm4ForCausalLM", "HeliumForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM",
+    "Cohere2ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DiffLlamaForCausalLM",
 )
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)
@@ -113,12 +115,6 @@ def _attn_impl(model: nn.Module) -> str:
 
 def _gpt2_parts(model: nn.Module) -> ModelParts:
     config: Any = model.config
-    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-        raise ModelError(
-            "model: GPT-2 with scale_attn_by_inverse_layer_idx=True scales each layer's attention "
-            "by its index; snake runs every layer through one shell block and cannot tell them "
-            "apart: pass snake.ModelParts with a block_fn that handles it, or disable the option"
-        )
     impl = _attn_impl(model)
     masks = _MaskCache(impl, window=None)
     n_positions = int(config.n_positions)
@@ -198,7 +194,7 @@ class _Outside:
         self.embed_mult = float(config.embedding_multiplier) if granite else None
         self.norm = "final_layernorm" if name == "PhiForCausalLM" else "norm"
         self.logits_div = float(config.logits_scaling) if granite else None
-        self.logits_mult = float(config.logit_scale) if name == "CohereForCausalLM" else None
+        self.logits_mult = float(config.logit_scale) if name in ("CohereForCausalLM", "Cohere2ForCausalLM") else None
         cap = getattr(config, "final_logit_softcapping", None) if name.startswith("Gemma") else None
         self.softcap = float(cap) if cap else None
 

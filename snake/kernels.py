@@ -69,6 +69,7 @@ class Kernels:
         shell = copy.deepcopy(parts.blocks[0]).to(device=device, dtype=self.dtype)
         shell.train()
         self.block = _BlockCall(shell, parts.block_fn)
+        self.layer_attrs = _layer_attrs(shell, list(parts.blocks))
         spec = block_param_names(parts)
         self.block_sites = _param_sites(shell, [n for n, _ in spec])
         self.block_shapes = [s for _, s in spec]
@@ -125,13 +126,20 @@ class Kernels:
             for g, state in zip(self.generators, states, strict=True):
                 g.set_state(state)
 
-    def bind(self, tensors: list[torch.Tensor]) -> nn.Module:
-        """The shell block with `tensors` as its parameters (in `block_param_names` order).
-        Sets them straight into the submodules' parameter dicts: `functional_call` walks
-        and swaps the module tree on every call (~0.4 ms per block call on a CPU)."""
+    def bind(self, tensors: list[torch.Tensor], layer: int) -> nn.Module:
+        """The shell block as layer `layer`: `tensors` as its parameters (in
+        `block_param_names` order), and that layer's own values of the scalar attributes in
+        which the layers differ (`_layer_attrs`). Sets the parameters straight into the
+        submodules' parameter dicts: `functional_call` walks and swaps the module tree on
+        every call (~0.4 ms per block call on a CPU)."""
         for sites, tensor in zip(self.block_sites, tensors, strict=True):
             for module, attr in sites:
                 module._parameters[attr] = tensor  # type: ignore[assignment]
+        for module, attr, value in self.layer_attrs[layer] if self.layer_attrs else ():
+            if value is _ABSENT:
+                module.__dict__.pop(attr, None)
+            else:
+                module.__dict__[attr] = value
         return self.block
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -158,7 +166,7 @@ class Kernels:
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, layer, m):
-            y = self.bind(self.views(slot))(x, layer)
+            y = self.bind(self.views(slot), layer)(x, layer)
         return y.contiguous()
 
     def head(
@@ -206,7 +214,7 @@ class Kernels:
         params = [v.detach().requires_grad_(True) for v in self.views(slot)]
         x = x.detach().requires_grad_(True)
         with torch.enable_grad(), self.rng(t, layer, m):
-            y = self.bind(params)(x, layer)
+            y = self.bind(params, layer)(x, layer)
             grads = torch.autograd.grad(y, [x, *params], grad_outputs=gy, allow_unused=True)
         for a, g in zip(acc.split(self.block_numels), grads[1:], strict=True):
             if g is None:
@@ -243,6 +251,37 @@ class Kernels:
             n[len("model.") :]: m.view(s).clone()
             for n, m, s in zip(self.res_names, self.res_master, self.res_shapes, strict=True)
         }
+
+
+_ABSENT = object()
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _scalar_attrs(block: nn.Module) -> dict[tuple[str, str], object]:
+    """(submodule name, attribute) -> value for the plain attributes of a block's modules
+    that are scalars (an index, a window, a flag), `training` aside."""
+    return {
+        (name, attr): value
+        for name, mod in block.named_modules()
+        for attr, value in vars(mod).items()
+        if not attr.startswith("_") and attr != "training" and isinstance(value, _SCALARS)
+    }
+
+
+def _layer_attrs(shell: nn.Module, blocks: list[nn.Module]) -> list[list[tuple[nn.Module, str, object]]]:
+    """Per layer, what to set on the shell (a copy of block 0) to make it that layer beyond
+    its parameters: each scalar attribute in which some layer differs from block 0 (a layer
+    index, an attention window, whether it applies rotary embeddings), at this layer's
+    value (_ABSENT: this layer's module has no such attribute). Empty where no layer
+    differs, as in the built-in GPT."""
+    per_layer = [_scalar_attrs(b) for b in blocks]
+    keys = sorted({k for attrs in per_layer for k, v in attrs.items() if per_layer[0].get(k, _ABSENT) != v}
+                  | {k for k in per_layer[0] if any(k not in attrs for attrs in per_layer)})
+    if not keys:
+        return []
+    modules = dict(shell.named_modules())
+    return [[(modules[name], attr, attrs.get((name, attr), _ABSENT)) for name, attr in keys if name in modules]
+            for attrs in per_layer]
 
 
 def _param_sites(module: nn.Module, names: list[str]) -> list[list[tuple[nn.Module, str]]]:

@@ -47,6 +47,10 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
     "phi": ("Phi", "Phi", {"embd_pdrop": 0.0, "resid_pdrop": 0.0}),
     "glm": ("Glm", "Glm", {}), "glm4": ("Glm4", "Glm4", {}), "helium": ("Helium", "Helium", {"head_dim": 16}),
     "arcee": ("Arcee", "Arcee", {}), "ministral": ("Ministral", "Ministral", {**MIXED, "head_dim": 16}),
+    # layers that read their own attributes (rotary or not, window, a per-layer constant)
+    "cohere2": ("Cohere2", "Cohere2", {**MIXED, "logit_scale": 0.25}),
+    "smollm3": ("SmolLM3", "SmolLM3", {"no_rope_layers": [1, 0, 1]}),
+    "exaone4": ("Exaone4", "Exaone4", MIXED), "diffllama": ("DiffLlama", "DiffLlama", {}),
 }
 MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 EAGER_ONLY = ("gemma2",)  # no SDPA in transformers (its attention soft-caps)
@@ -243,8 +247,11 @@ async def test_gradient_checkpointing_enabled_trains_and_warns(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_gpt2_training_matches_plain_pytorch_except_key_bias(tmp_path):
-    model = make("gpt2")
+@pytest.mark.parametrize("kw", [{}, {"scale_attn_by_inverse_layer_idx": True}], ids=["gpt2", "inverse-layer-scaled"])
+async def test_gpt2_training_matches_plain_pytorch_except_key_bias(tmp_path, kw):
+    """With scale_attn_by_inverse_layer_idx each layer scales its attention by its own index
+    (an attribute): refused before, the shell now takes each layer's."""
+    model = make("gpt2", **kw)
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = reference(model, data, 2)
     got = await train_snake(model, data, tmp_path)
@@ -282,8 +289,6 @@ def test_unsupported_model_asks_for_model_parts(tmp_path, which):
 def test_what_layers_cannot_carry_is_refused():
     """Options whose effect spans layers or that layer 0's copy cannot carry, each refused
     with what to change."""
-    with pytest.raises(ModelError, match="scale_attn_by_inverse_layer_idx"):
-        describe(make("gpt2", scale_attn_by_inverse_layer_idx=True))
     # flash attention reads each layer's window from the layer itself
     mixed = make("qwen2", layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=4,
                  use_sliding_window=True)
