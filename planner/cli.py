@@ -30,7 +30,7 @@ from planner.search import search
 from planner.solve import Infeasible, Plan, off_budget, predict_horizontal
 from snake.cli import device_name, positive_int
 from snake.config import MIN_SSD_BANDWIDTH
-from snake.errors import MISSING, ConfigError
+from snake.errors import MISSING, ConfigError, ModelError
 from snake.models.gpt import GPTConfig
 
 _UNITS = {
@@ -100,6 +100,22 @@ class HFModel:
             if isinstance(value, list) and len(value) == self.n_layer and name.startswith("layer"):
                 setattr(cfg, name, value[:1])
         return describe(load_hf(cfg))
+
+
+    def check_layers(self) -> None:
+        """ModelError for what training would refuse in the whole model (layers that differ
+        in their parameters or modules, options snake cannot stream): its every layer built
+        on the meta device, which holds shapes and no data."""
+        import torch
+
+        from snake.adapters import check_blocks
+        from snake.hf import describe_hf, load_hf
+
+        with torch.device("meta"):
+            model = load_hf(self.config)
+        parts = describe_hf(model)
+        if parts is not None:
+            check_blocks(list(parts.blocks))
 
 
 def _parse_hf(path: str) -> HFModel:
@@ -266,6 +282,8 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     except SystemExit as e:  # --help, or argparse's own error message
         return int(e.code or 0)
     try:
+        if isinstance(args.model, HFModel):
+            args.model.check_layers()  # before anything is written
         _check_args(args, measure=profile is None)
         if profile is None:
             hf = isinstance(args.model, HFModel)
@@ -280,7 +298,7 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
                     profile, shape=dataclasses.replace(profile.shape, n_layers=args.model.n_layer))
         budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
         profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
-    except ConfigError as e:
+    except (ConfigError, ModelError) as e:
         print(f"snake plan: {e}", file=sys.stderr)
         return 2
     plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches)

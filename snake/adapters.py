@@ -3,8 +3,9 @@ and N uniform `blocks` (hidden -> hidden) that stream through the device."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ class ModelParts:
     float, bool, str, None: an index, a window, a flag) where the layers differ. Anything
     else that differs between layers (a rotary table outside the block) must come from the
     index: a block_fn with a `layer` parameter is called as block_fn(block, hidden, layer=i).
+    State a layer changes in its own forward (a call counter) is not kept per layer, and the
+    backward runs each layer's forward again (as PyTorch's checkpointing does).
     Parameters outside the blocks are resident; tied weights must be there."""
 
     model: nn.Module
@@ -120,17 +123,7 @@ def check_parts(parts: ModelParts) -> None:
                 f"got {type(fn).__name__}"
             )
     blocks = list(parts.blocks)
-    if not blocks:
-        raise ModelError("model: no blocks found; a model needs at least one block to stream")
-    sig0 = _signature(blocks[0])
-    if not sig0:
-        raise ModelError("model: blocks have no parameters; nothing to offload")
-    for i, b in enumerate(blocks[1:], start=1):
-        if type(b) is not type(blocks[0]) or _signature(b) != sig0:
-            raise ModelError(
-                f"model: block {i} ({type(b).__name__}) differs from block 0 in its parameters; "
-                "snake streams uniform blocks: describe non-uniform layers as pre/post"
-            )
+    check_blocks(blocks)
     names = dict(parts.model.named_modules())
     for i, b in enumerate(blocks):
         if names.get(f"{parts.blocks_prefix}.{i}") is not b:
@@ -142,6 +135,44 @@ def check_parts(parts: ModelParts) -> None:
     _check_trainable(parts.model)
     _check_ties(parts)
     _check_block_buffers(blocks)
+
+
+def check_blocks(blocks: list[nn.Module]) -> None:
+    """ModelError unless the blocks are alike: the same class, parameter names and shapes,
+    and submodules (shapes only: also for a model on the meta device)."""
+    if not blocks:
+        raise ModelError("model: no blocks found; a model needs at least one block to stream")
+    sig0 = _signature(blocks[0])
+    if not sig0:
+        raise ModelError("model: blocks have no parameters; nothing to offload")
+    for i, b in enumerate(blocks[1:], start=1):
+        if type(b) is not type(blocks[0]) or _signature(b) != sig0:
+            raise ModelError(
+                f"model: block {i} ({type(b).__name__}) differs from block 0 in its parameters; "
+                "snake streams uniform blocks: describe non-uniform layers as pre/post"
+            )
+    _check_module_kinds(blocks)
+
+
+def _check_module_kinds(blocks: list[nn.Module]) -> None:
+    """Every layer runs through one copy of block 0: a layer whose submodule is of another
+    class (ReLU where block 0 has SiLU) would run as block 0's, silently."""
+    kinds0 = {name: type(m) for name, m in blocks[0].named_modules()}
+    for i, b in enumerate(blocks[1:], start=1):
+        for name, m in b.named_modules():
+            if kinds0.get(name) is not type(m):
+                was = kinds0[name].__name__ if name in kinds0 else "no such module"
+                raise ModelError(
+                    f"model: block {i}'s module {name or '(the block)'!r} is a {type(m).__name__} where "
+                    f"block 0 has {was}; snake runs every layer through one copy of block 0 (with each "
+                    "layer's parameters and scalar attributes): give every block the same modules, "
+                    "and pick per layer in a ModelParts block_fn that takes `layer`"
+                )
+        if len(kinds0) != len(dict(b.named_modules())):
+            raise ModelError(
+                f"model: block {i} has other submodules than block 0; snake runs every layer through "
+                "one copy of block 0: give every block the same modules"
+            )
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -236,16 +267,18 @@ def hidden_size(parts: ModelParts) -> int:
     """The width of a described model's block inputs: its embedding's output on one token."""
     model = parts.model
     p = next(model.parameters())
-    with torch.no_grad():
+    with _probing(model):
         return int(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).shape[-1])
 
 
 def input_rows(parts: ModelParts) -> int | None:
     """The input ids a described model's `pre` takes, [0, rows): found by trying one token
-    at each resident embedding's first id past its table (the one that fails, while the
-    id before it runs, is what indexes the inputs). None where no such embedding is found,
-    or the weights are on a GPU, where an index past a table is a device-side assert that
-    breaks the CUDA context rather than an error."""
+    at each resident embedding's first id past its table, at the first position and at the
+    second (the table that fails at both, while the id before runs, is what indexes the
+    inputs; one that fails at one position only, as a table for a leading tag would, is
+    not). None where no such embedding is found, or the weights are on a GPU, where an index
+    past a table is a device-side assert that breaks the CUDA context rather than an
+    error."""
     model = parts.model
     p = next(model.parameters())
     if p.device.type != "cpu":
@@ -254,18 +287,32 @@ def input_rows(parts: ModelParts) -> int | None:
     tables = sorted({int(mod.num_embeddings) for name, mod in model.named_modules()
                      if isinstance(mod, nn.Embedding) and not name.startswith(prefix)})
 
-    def runs(token: int) -> bool:
+    def runs(*ids: int) -> bool:
         try:
-            with torch.no_grad():
-                parts.pre(model, torch.full((1, 1), token, dtype=torch.long))
+            with _probing(model):
+                parts.pre(model, torch.tensor([ids], dtype=torch.long))
         except (IndexError, RuntimeError):
             return False
         return True
 
     for rows in tables:
-        if rows > 0 and not runs(rows) and runs(rows - 1):
+        if rows > 0 and runs(rows - 1, rows - 1) and not runs(rows, 0) and not runs(0, rows):
             return rows
     return None
+
+
+@contextlib.contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """No gradients and eval mode while a probe runs the user's functions (a running
+    statistic in `pre` is not updated by it); the modes come back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def vocab_size(parts: ModelParts) -> int:
@@ -274,5 +321,5 @@ def vocab_size(parts: ModelParts) -> int:
     model = parts.model
     p = next(model.parameters())
     h = torch.zeros(1, 1, hidden_size(parts), dtype=p.dtype, device=p.device)
-    with torch.no_grad():
+    with _probing(model):
         return int(parts.post(model, h).shape[-1])

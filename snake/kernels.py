@@ -255,16 +255,26 @@ class Kernels:
 
 _ABSENT = object()
 _SCALARS = (bool, int, float, str, type(None))
+# what every nn.Module keeps in its instance dict (hook tables, flags): never a layer's own
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _plain(value: object) -> bool:
+    """A scalar, or a tuple / list of scalars: a value a layer can differ in and the shell
+    can take (compared with ==)."""
+    if isinstance(value, tuple | list):
+        return all(isinstance(v, _SCALARS) for v in value)
+    return isinstance(value, _SCALARS)
 
 
 def _scalar_attrs(block: nn.Module) -> dict[tuple[str, str], object]:
     """(submodule name, attribute) -> value for the plain attributes of a block's modules
-    that are scalars (an index, a window, a flag), `training` aside."""
+    (scalars and tuples / lists of them, `_private` ones too), nn.Module's own aside."""
     return {
         (name, attr): value
         for name, mod in block.named_modules()
         for attr, value in vars(mod).items()
-        if not attr.startswith("_") and attr != "training" and isinstance(value, _SCALARS)
+        if attr not in _MODULE_INTERNALS and not attr.startswith("__") and _plain(value)
     }
 
 

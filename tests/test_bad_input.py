@@ -371,3 +371,33 @@ async def test_input_ids_past_the_embedding_are_a_data_error_without_a_config(tm
         with pytest.raises(DataError, match=r"token ids must be in \[0, 40\), got min \d+, max 40"):
             await asyncio.wait_for(trainer.run(1), 30)
     assert not any(off.iterdir()), "no state may be written before the input is checked"
+
+
+class _TaggedLM(_NoConfigLM):
+    """The first token of a row is a language tag from a 4-row table, the rest are tokens of
+    the 40-row one; `pre` also keeps a running statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags = torch.nn.Embedding(4, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def pre(self, idx):
+        h = torch.cat([self.tags(idx[:, :1]), self.embed(idx[:, 1:])], dim=1)
+        return self.norm(h.transpose(1, 2)).transpose(1, 2)
+
+
+def test_input_rows_is_not_misled_by_a_table_for_the_first_position():
+    """An audit's find: the one-token probe took the 4-row tag table for the inputs' range
+    and refused valid data (ids up to 39 past position 0). A table must fail at the first
+    and the second position to bound the inputs; the probes run in eval mode, so the
+    running statistics of `pre` are not moved by them."""
+    from snake import ModelParts
+
+    m = _TaggedLM()
+    parts = ModelParts(model=m, blocks=list(m.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.pre(i), post=lambda m, h: m.head(h))
+    before = m.norm.running_mean.clone()
+    assert input_rows(parts) is None
+    assert input_rows(_no_config_parts()) == 40
+    assert torch.equal(m.norm.running_mean, before) and m.training

@@ -74,6 +74,22 @@ def test_equal_buffers_in_every_block_are_accepted():
     describe(tiny_gpt())
 
 
+def test_blocks_with_submodules_of_other_classes_are_refused(tmp_path):
+    """An audit's find: a layer whose activation is another class ran as block 0's (ReLU
+    where block 0 has SiLU: 5.8e-3 off in three steps, silently), or crashed in the compute
+    actor (GELU's attribute missing on ReLU). Refused up front, naming the module."""
+    m = Tiny()
+    for i, layer in enumerate(m.layers):
+        layer.act = nn.SiLU() if i % 2 == 0 else nn.ReLU()
+    refused(parts(m), tmp_path, r"block 1's module 'act' is a ReLU where block 0 has SiLU.*takes `layer`")
+    m = Tiny()
+    m.layers[2].extra = nn.Identity()
+    refused(parts(m), tmp_path, r"block 2's module 'extra' is a Identity where block 0 has no such module")
+    m = Tiny()
+    m.layers[0].extra = nn.Identity()
+    refused(parts(m), tmp_path, r"block 1 has other submodules than block 0")
+
+
 def test_frozen_block_parameter_is_refused(tmp_path):
     m = tiny_gpt()
     m.blocks[1].attn.c_attn.weight.requires_grad_(False)

@@ -267,3 +267,35 @@ async def test_layers_that_differ_beyond_their_parameters_train_as_themselves(tm
     assert_close_state(got, want)
     got, _, _ = await train(parts(as_attribute), data, 3, offload_dir=tmp_path / "b", **kw)
     assert_close_state(got, want)
+
+
+class _PrivateStridedLM(_StridedLM):
+    """The same layers with the residual scale kept in a private attribute and in a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i, layer in enumerate(self.layers):
+            layer._residual = 1.0 / (i + 1)
+            layer.pair = (1.0, 1.0 / (i + 1))
+            del layer.residual
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = h + layer._residual * layer.pair[1] * torch.tanh(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.asyncio
+async def test_private_and_tuple_attributes_are_carried_per_layer(tmp_path):
+    """An audit's find: a per-layer value in a `_private` attribute or in a tuple ran as layer
+    0's (5.8e-3 off in three steps); the shell takes those too."""
+    model = _PrivateStridedLM()
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h),
+                       block_fn=lambda block, h: h + block._residual * block.pair[1] * torch.tanh(block(h)))
+    got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
+    assert_close_state(got, want)

@@ -185,12 +185,19 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
         ("hf:{tmp}/none", ["--seq-len", "32"], "is not a directory with a config.json"),
         ("hf:{tmp}/llama", [], "snake plan: --seq-len is required with an hf: model ("),
         ("hf:{tmp}/llama", ["--seq-len", "100"], "must be <= the model's max_position_embeddings=64"),
+        # what training refuses in the whole model, though its first layer alone would plan
+        ("hf:{tmp}/dense-and-sparse", ["--seq-len", "32"], "block 1 (Qwen3MoeDecoderLayer) differs from block 0"),
+        ("hf:{tmp}/router-loss", ["--seq-len", "32"], "output_router_logits=True"),
     ],
 )
 def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
     import transformers
     transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                              vocab_size=200, max_position_embeddings=64).save_pretrained(tmp_path / "llama")
+    moe = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=200, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    transformers.Qwen3MoeConfig(**moe, mlp_only_layers=[1]).save_pretrained(tmp_path / "dense-and-sparse")
+    transformers.Qwen3MoeConfig(**moe, output_router_logits=True).save_pretrained(tmp_path / "router-loss")
     argv = ["--model", model.format(tmp=tmp_path), "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "o"), *extra]
     assert plan_main(argv) == 2
     captured = capsys.readouterr()
