@@ -86,36 +86,64 @@ class HFModel:
     def title(self) -> str:
         return f"{self.config.model_type} {self.n_layer} x {self.config.hidden_size}"
 
-    def one_layer(self) -> Any:
-        """ModelParts of the model with its first layer only (fresh weights): what the
-        probes time. Lists with an entry per layer (`layer_types`) are cut to match."""
+    def sample(self) -> tuple[Any, list[int] | None]:
+        """(ModelParts of the model cut to its first layers, fresh weights: what the probes
+        time; None, or where its layers are of several kinds the count of each kind in the
+        whole model). The cut keeps the layers up to the first of the last kind to appear
+        (the first layer alone where all are alike); lists with an entry per layer
+        (`layer_types`, `mlp_layer_types`) are cut to match."""
         import copy
 
-        from snake.adapters import describe
+        from snake.adapters import describe, layer_kinds, param_signature
         from snake.hf import load_hf
 
+        whole = self._meta_parts()
+        kinds, firsts = layer_kinds(whole.blocks)
+        keep = max(firsts) + 1
         cfg = copy.deepcopy(self.config)
-        cfg.num_hidden_layers = 1
+        cfg.num_hidden_layers = keep
         for name, value in vars(cfg).items():
-            if isinstance(value, list) and len(value) == self.n_layer and name.startswith("layer"):
-                setattr(cfg, name, value[:1])
-        return describe(load_hf(cfg))
+            if isinstance(value, list) and len(value) == self.n_layer and "layer" in name:
+                setattr(cfg, name, value[:keep])
+        parts = describe(load_hf(cfg))
+        cut, _ = layer_kinds(parts.blocks)
+        if cut != kinds[:keep] or any(
+                param_signature(a) != param_signature(b) for a, b in zip(parts.blocks, whole.blocks[:keep], strict=True)
+        ):
+            raise ModelError(
+                f"model: snake plan cannot time the layer kinds of {type(whole.model).__name__} in its first "
+                f"{keep} layers (cut to them, they come out of other kinds); plan it in the trainer "
+                "(SnakeTrainer without placement, alpha and micro_batches), which times the whole model"
+            )
+        if len(firsts) == 1:
+            return parts, None
+        return parts, [kinds.count(k) for k in range(len(firsts))]
 
-
-    def check_layers(self) -> None:
-        """ModelError for what training would refuse in the whole model (layers that differ
-        in their parameters or modules, options snake cannot stream): its every layer built
-        on the meta device, which holds shapes and no data."""
+    def _meta_parts(self) -> Any:
+        """The whole model's ModelParts on the meta device (shapes, no data)."""
         import torch
 
-        from snake.adapters import check_blocks
         from snake.hf import describe_hf, load_hf
 
         with torch.device("meta"):
             model = load_hf(self.config)
         parts = describe_hf(model)
-        if parts is not None:
-            check_blocks(list(parts.blocks))
+        if parts is None:
+            from snake.hf import supported
+
+            raise ModelError(
+                f"model: snake does not know how the layers of {type(model).__name__} compose "
+                f"(it recognises {supported()})"
+            )
+        return parts
+
+    def check_layers(self) -> None:
+        """ModelError for what training would refuse in the whole model (options snake
+        cannot stream, layers without parameters): its every layer built on the meta
+        device, which holds shapes and no data."""
+        from snake.adapters import check_blocks
+
+        check_blocks(list(self._meta_parts().blocks))
 
 
 def _parse_hf(path: str) -> HFModel:
@@ -287,13 +315,14 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
         _check_args(args, measure=profile is None)
         if profile is None:
             hf = isinstance(args.model, HFModel)
+            model, counts = args.model.sample() if isinstance(args.model, HFModel) else (args.model, None)
             profile = measure_profile(
-                args.model.one_layer() if hf else args.model, micro_batch_size=args.micro_batch_size,
+                model, micro_batch_size=args.micro_batch_size, kind_counts=counts,
                 seq_len=args.seq_len or args.model.block_size, device=args.device, dtype=args.dtype,
                 offload_dir=args.offload_dir, ssd_bandwidth_bytes_per_s=args.ssd_bandwidth,
                 remeasure=args.remeasure,
             )
-            if hf:  # timed with one layer; planned with all of them
+            if hf:  # timed with the first layers; planned with all of them
                 profile = dataclasses.replace(
                     profile, shape=dataclasses.replace(profile.shape, n_layers=args.model.n_layer))
         budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from snake.adapters import ModelParts, call_block, describe, hidden_size, vocab_size
+from snake.adapters import ModelParts, call_block, describe, hidden_size, layer_kinds, vocab_size
 from snake.config import AdamW, SnakeConfig
 from snake.device import pin_host_memory, synchronize
 from snake.io import open_storage
@@ -77,30 +77,54 @@ def settle_allocator() -> None:
 
 
 def block_seconds(
-    cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float, *, parts: ModelParts | None = None
+    cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float, *, parts: ModelParts | None = None,
+    kind_counts: list[int] | None = None,
 ):
     """(forward, recompute, backward) seconds of one Block on one micro-batch.
 
-    parts: time that model's own blocks (copies of its first ones; any described model)
-    instead of fresh built-in GPT Blocks of `cfg`. Cycles through enough distinct blocks to
-    overflow the CPU's caches (up to 8, ~64 MiB of weights), as training does: each stage
-    brings another layer's weights. Timing one block over and over keeps its weights in
-    cache and under-reports by up to ~2x on a CPU."""
+    parts: time that model's own blocks (copies of them; any described model) instead of
+    fresh built-in GPT Blocks of `cfg`; where its layers are of several kinds (dense and
+    mixture-of-experts, say) each kind is timed on its own and the times are averaged over
+    the layers (what a layer costs on average, as an iteration adds them up). Cycles through
+    enough distinct blocks to overflow the CPU's caches (up to 8, ~64 MiB of weights), as
+    training does: each stage brings another layer's weights. Timing one block over and
+    over keeps its weights in cache and under-reports by up to ~2x on a CPU. kind_counts:
+    the layers of each kind in the whole model, where `parts` holds a sample of its layers
+    with every kind in it (`snake plan`'s Hugging Face models)."""
     if parts is None:
-        parts = describe(GPT(dataclasses.replace(cfg, n_layer=1)))
-        hidden = cfg.n_embd
-        new_block = lambda i: Block(cfg)  # noqa: E731
-    else:
-        hidden = hidden_size(parts)
-        new_block = lambda i: copy.deepcopy(parts.blocks[i % len(parts.blocks)])  # noqa: E731
-    per_block = sum(p.numel() for p in parts.blocks[0].parameters()) * torch.empty((), dtype=dtype).element_size()
+        gpt = describe(GPT(dataclasses.replace(cfg, n_layer=1)))
+        return _kind_seconds(gpt, [0], lambda i: Block(cfg), cfg.n_embd, mb, seq, device, dtype, seconds)
+    kinds, firsts = layer_kinds(parts.blocks)
+    hidden = hidden_size(parts)
+    timed = []
+    for kind in range(len(firsts)):
+        layers = [i for i, k in enumerate(kinds) if k == kind]
+        timed.append((len(layers), _kind_seconds(
+            parts, layers, lambda i: copy.deepcopy(parts.blocks[i]), hidden, mb, seq, device, dtype,
+            seconds / len(firsts))))
+    if kind_counts is not None:
+        if len(kind_counts) != len(timed):
+            raise ValueError(f"kind_counts: {len(kind_counts)} counts for a model of {len(timed)} layer kinds")
+        timed = [(count, t) for count, (_, t) in zip(kind_counts, timed, strict=True)]
+    n = sum(count for count, _ in timed)
+    return tuple(sum(count * t[j] for count, t in timed) / n for j in range(3))
+
+
+def _kind_seconds(
+    parts: ModelParts, layers: list[int], new_block: Callable[[int], torch.nn.Module], hidden: int,
+    mb: int, seq: int, device: torch.device, dtype, seconds: float,
+) -> tuple[float, float, float]:
+    """(forward, recompute, backward) seconds of `parts`' layers `layers` (one kind), cycling
+    through copies of up to 8 of them (`new_block(layer)`)."""
+    per_block = sum(p.numel() for p in parts.blocks[layers[0]].parameters()) * torch.empty((), dtype=dtype).element_size()
     n_blocks = 1 if device.type == "cuda" else max(1, min(8, -(-64 * MiB // per_block)))
-    blocks = [new_block(i).to(device=device, dtype=dtype) for i in range(n_blocks)]
+    cycle = [layers[i % len(layers)] for i in range(n_blocks)]
+    blocks = [new_block(layer).to(device=device, dtype=dtype) for layer in cycle]
     turn = [0]
 
-    def next_block() -> torch.nn.Module:
+    def next_block() -> tuple[torch.nn.Module, int]:
         turn[0] = (turn[0] + 1) % len(blocks)
-        return blocks[turn[0]]
+        return blocks[turn[0]], cycle[turn[0]]
 
     x = torch.randn(mb, seq, hidden, device=device, dtype=dtype)
     xr = x.clone().requires_grad_(True)
@@ -112,19 +136,22 @@ def block_seconds(
     slots = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in blocks]
     acc = torch.zeros(kernels.layer_params, dtype=torch.float32, device=device)
 
-    def next_slot() -> torch.Tensor:
+    def next_slot() -> tuple[torch.Tensor, int]:
         turn[0] = (turn[0] + 1) % len(slots)
-        return slots[turn[0]]
+        return slots[turn[0]], cycle[turn[0]]
 
     def fwd() -> None:
-        kernels.block_fwd(next_slot(), x, 0, 0, 0)
+        slot, layer = next_slot()
+        kernels.block_fwd(slot, x, 0, layer, 0)
 
     def recompute() -> None:
+        block, layer = next_block()
         with torch.enable_grad():
-            call_block(parts, next_block(), xr, 0)
+            call_block(parts, block, xr, layer)
 
     def bwd_total() -> None:
-        kernels.block_bwd(next_slot(), x, grad_out, acc, t=0, layer=0, m=0, accumulate=True)
+        slot, layer = next_slot()
+        kernels.block_bwd(slot, x, grad_out, acc, t=0, layer=layer, m=0, accumulate=True)
 
     def build() -> None:
         pass
@@ -306,13 +333,15 @@ def ssd_bytes_per_s(
 def measure_all(
     cfg, *, micro_batch_size: int, seq_len: int, device: str, dtype: str, offload_dir: Path,
     cap: float | None, io_bytes: int, seconds: float, parts: ModelParts | None = None,
+    kind_counts: list[int] | None = None,
 ) -> dict[str, float]:
     """Every measured field of a MachineProfile (memory excluded), as a dict. parts: time
     that model's blocks and pre/post (`cfg` unused), else built-in GPT ones of `cfg`."""
     dev = torch.device(device)
     tdtype = _DTYPES[dtype]
     settle_allocator()
-    fwd, rec, bwd = block_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts)
+    fwd, rec, bwd = block_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts,
+                                  kind_counts=kind_counts)
     h2d, d2h = copy_bytes_per_s(dev, COPY_BYTES, seconds)
     read, write = ssd_bytes_per_s(offload_dir, io_bytes, cap)
     return {

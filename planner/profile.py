@@ -126,14 +126,14 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     """The ModelShape of any described model (`snake.adapters.describe`): its block's and its
     resident parameters, counted; its hidden size and vocabulary, read from its embedding's
     and its head's outputs on one token."""
-    from snake.adapters import hidden_size, resident_named_params, vocab_size
+    from snake.adapters import hidden_size, layer_numels, resident_named_params, vocab_size
 
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
     tokens = micro_batch_size * seq_len
     return ModelShape(
         n_layers=len(parts.blocks),
-        layer_params=sum(p.numel() for p in parts.blocks[0].parameters()),
+        layer_params=max(layer_numels(parts)),  # every layer's room: the largest kind's
         ckpt_elems=tokens * hidden_size(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
         tokens_per_micro=tokens,
@@ -213,6 +213,7 @@ def measure_profile(
     cache: bool = True,
     remeasure: bool = False,
     seconds_per_probe: float = 0.4,
+    kind_counts: list[int] | None = None,
 ) -> MachineProfile:
     """Measure (or load from offload_dir's cache) the profile of `model_cfg` on `device`.
 
@@ -220,7 +221,10 @@ def measure_profile(
     (`snake.adapters.ModelParts`: its own blocks, embedding and head are timed, and its
     `architecture` is part of the cache key; without one, nothing is cached). io_bytes: bytes written then read back on the
     SSD (each direction, capped at 256 MiB and at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
-    remeasure: ignore (and overwrite) the cache. Takes ~5-15 s on two CPU cores."""
+    remeasure: ignore (and overwrite) the cache. kind_counts: where model_cfg holds a sample
+    of a model's layers with each of its kinds (`snake.adapters.layer_kinds`), how many
+    layers of each kind the whole model has: the block times are averaged with them.
+    Takes ~5-15 s on two CPU cores."""
     from planner import probes
     from snake.adapters import ModelParts
 
@@ -228,6 +232,8 @@ def measure_profile(
         cfg, parts = None, model_cfg
         shape = shape_of_parts(parts, micro_batch_size, seq_len, dtype)
         arch = architecture(parts)
+        if arch is not None and kind_counts is not None:
+            arch = f"{arch}/kinds{kind_counts}"
         cache = cache and arch is not None
     else:
         cfg, parts, arch = model_cfg, None, None  # the built-in GPT: its config is the shape
@@ -247,6 +253,7 @@ def measure_profile(
             cap=ssd_bandwidth_bytes_per_s,
             io_bytes=min(int(io_bytes), 256 * MiB),
             seconds=seconds_per_probe,
+            kind_counts=kind_counts,
         )
         if cache:
             Path(offload_dir).mkdir(parents=True, exist_ok=True)

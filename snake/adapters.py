@@ -1,5 +1,7 @@
 """How snake sees a model: resident `pre` (embeddings) and `post` (final norm, head),
-and N uniform `blocks` (hidden -> hidden) that stream through the device."""
+and N `blocks` (hidden -> hidden) that stream through the device. Blocks may be of a few
+kinds (`layer_kinds`: dense and mixture-of-experts layers, say); each kind runs through a
+copy of its first block."""
 
 from __future__ import annotations
 
@@ -26,17 +28,21 @@ def _call_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class ModelParts:
     """An explicit description of a model, for any `nn.Module`.
 
-    model: owns every parameter. blocks: the uniform layers, in order, all submodules of
-    `model` under `blocks_prefix` (state_dict keys `f"{blocks_prefix}.{i}.{name}"`).
-    pre(model, idx) -> hidden; post(model, hidden) -> logits; block_fn(block, hidden) ->
-    hidden (default: `block(hidden)`). Every layer runs through one copy of block 0 with
-    its parameters swapped in; that copy also takes each layer's scalar attributes (int,
-    float, bool, str, None: an index, a window, a flag) where the layers differ. Anything
-    else that differs between layers (a rotary table outside the block) must come from the
-    index: a block_fn with a `layer` parameter is called as block_fn(block, hidden, layer=i).
-    State a layer changes in its own forward (a call counter) is not kept per layer, and the
-    backward runs each layer's forward again (as PyTorch's checkpointing does).
-    Parameters outside the blocks are resident; tied weights must be there."""
+    model: owns every parameter. blocks: the layers, in order, all submodules of `model`
+    under `blocks_prefix` (state_dict keys `f"{blocks_prefix}.{i}.{name}"`). pre(model,
+    idx) -> hidden; post(model, hidden) -> logits; block_fn(block, hidden) -> hidden
+    (default: `block(hidden)`). Layers alike in class, parameter names and shapes and
+    submodule classes are one kind (`layer_kinds`); every layer runs through one copy of
+    its kind's first block with its parameters swapped in, and that copy also takes each
+    layer's scalar attributes (int, float, bool, str, None: an index, a window, a flag)
+    where the layers differ. Layers of several kinds (dense and mixture-of-experts, say)
+    each occupy the largest kind's room in every tier: the smaller kinds' rest is zeros
+    that are moved but never change. Anything else that differs between layers (a rotary
+    table outside the block) must come from the index: a block_fn with a `layer`
+    parameter is called as block_fn(block, hidden, layer=i). State a layer changes in its
+    own forward (a call counter) is not kept per layer, and the backward runs each layer's
+    forward again (as PyTorch's checkpointing does). Parameters outside the blocks are
+    resident; tied weights must be there."""
 
     model: nn.Module
     blocks: Sequence[nn.Module]
@@ -80,11 +86,13 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
 
 
 def takes_layer(fn: BlockFn) -> bool:
-    """Whether a block function wants the layer index (a parameter named `layer`)."""
+    """Whether a block function wants the layer index: a parameter named `layer` after the
+    block and the hidden state (`def block_fn(layer, h)` names the block `layer`)."""
     try:
-        return "layer" in inspect.signature(fn).parameters
+        names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
         return False
+    return "layer" in names[2:]
 
 
 def call_block(parts: ModelParts, block: nn.Module, h: torch.Tensor, layer: int) -> torch.Tensor:
@@ -138,41 +146,34 @@ def check_parts(parts: ModelParts) -> None:
 
 
 def check_blocks(blocks: list[nn.Module]) -> None:
-    """ModelError unless the blocks are alike: the same class, parameter names and shapes,
-    and submodules (shapes only: also for a model on the meta device)."""
+    """ModelError for blocks snake cannot stream: none at all, or blocks without parameters.
+    Blocks that differ (in class, parameters or submodule classes) are kinds of their own
+    (`layer_kinds`); shapes only are read, so this works on the meta device too."""
     if not blocks:
         raise ModelError("model: no blocks found; a model needs at least one block to stream")
-    sig0 = _signature(blocks[0])
-    if not sig0:
-        raise ModelError("model: blocks have no parameters; nothing to offload")
-    for i, b in enumerate(blocks[1:], start=1):
-        if type(b) is not type(blocks[0]) or _signature(b) != sig0:
+    for i, b in enumerate(blocks):
+        if not param_signature(b):
             raise ModelError(
-                f"model: block {i} ({type(b).__name__}) differs from block 0 in its parameters; "
-                "snake streams uniform blocks: describe non-uniform layers as pre/post"
+                f"model: block {i} ({type(b).__name__}) has no parameters; snake streams each "
+                "block's parameters: describe a layer without any as part of pre or post"
             )
-    _check_module_kinds(blocks)
 
 
-def _check_module_kinds(blocks: list[nn.Module]) -> None:
-    """Every layer runs through one copy of block 0: a layer whose submodule is of another
-    class (ReLU where block 0 has SiLU) would run as block 0's, silently."""
-    kinds0 = {name: type(m) for name, m in blocks[0].named_modules()}
-    for i, b in enumerate(blocks[1:], start=1):
-        for name, m in b.named_modules():
-            if kinds0.get(name) is not type(m):
-                was = kinds0[name].__name__ if name in kinds0 else "no such module"
-                raise ModelError(
-                    f"model: block {i}'s module {name or '(the block)'!r} is a {type(m).__name__} where "
-                    f"block 0 has {was}; snake runs every layer through one copy of block 0 (with each "
-                    "layer's parameters and scalar attributes): give every block the same modules, "
-                    "and pick per layer in a ModelParts block_fn that takes `layer`"
-                )
-        if len(kinds0) != len(dict(b.named_modules())):
-            raise ModelError(
-                f"model: block {i} has other submodules than block 0; snake runs every layer through "
-                "one copy of block 0: give every block the same modules"
-            )
+def layer_kinds(blocks: Sequence[nn.Module]) -> tuple[list[int], list[int]]:
+    """(each layer's kind, each kind's first layer). Layers of one kind have the same class,
+    the same parameter names and shapes and the same submodule classes at the same names:
+    one copy of the kind's first block can run any of them with their parameters (and
+    scalar attributes) swapped in. Kinds are numbered in order of first appearance."""
+    keys: dict[object, int] = {}
+    kinds: list[int] = []
+    firsts: list[int] = []
+    for i, b in enumerate(blocks):
+        key = (type(b), param_signature(b), tuple((name, type(m)) for name, m in b.named_modules()))
+        if key not in keys:
+            keys[key] = len(firsts)
+            firsts.append(i)
+        kinds.append(keys[key])
+    return kinds, firsts
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -227,34 +228,48 @@ def _check_ties(parts: ModelParts) -> None:
 
 
 def _check_block_buffers(blocks: list[nn.Module]) -> None:
-    """Every layer runs with block 0's buffers (one shell block; only parameters stream),
-    so the blocks' buffers must be equal."""
-    buf0 = dict(blocks[0].named_buffers())
-    for i, b in enumerate(blocks[1:], start=1):
+    """Every layer runs through its kind's shell, a copy of the kind's first block, which
+    takes each layer's own buffer values (a router's bias) where they differ: the buffers of
+    the blocks of one kind must have the same names, shapes and dtypes."""
+    kinds, firsts = layer_kinds(blocks)
+    for i, b in enumerate(blocks):
+        f = firsts[kinds[i]]
+        if f == i:
+            continue
+        buf0 = dict(blocks[f].named_buffers())
         bufs = dict(b.named_buffers())
         for name in sorted(buf0.keys() | bufs.keys()):
             x, y = buf0.get(name), bufs.get(name)
             if x is None or y is None:
-                how = "block 0 has no such buffer" if x is None else f"block {i} has no such buffer"
+                how = f"block {f} has no such buffer" if x is None else f"block {i} has no such buffer"
             elif x.shape != y.shape or x.dtype != y.dtype:
-                how = f"{tuple(y.shape)} {y.dtype} vs block 0's {tuple(x.shape)} {x.dtype}"
-            elif not torch.equal(x, y):
-                how = "its values differ from block 0's"
+                how = f"{tuple(y.shape)} {y.dtype} vs block {f}'s {tuple(x.shape)} {x.dtype}"
             else:
                 continue
             raise ModelError(
-                f"model: block {i}'s buffer {name!r} differs from block 0's ({how}); snake runs "
-                "every layer with block 0's buffers and streams only parameters: give every "
-                f"block the same {name!r}, or make it an nn.Parameter (then trained per block)"
+                f"model: block {i}'s buffer {name!r} differs from block {f}'s ({how}); snake runs every "
+                f"layer through a copy of the first block of its kind (block {f} here) with the layer's "
+                f"own parameters and buffer values: give every block of that kind a {name!r} of one "
+                "shape and dtype"
             )
 
 
-def _signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def param_signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A block's parameter names and shapes."""
     return tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
 
 
-def block_param_names(parts: ModelParts) -> list[tuple[str, torch.Size]]:
-    return [(n, p.shape) for n, p in parts.blocks[0].named_parameters()]
+def layer_specs(parts: ModelParts) -> list[list[tuple[str, torch.Size]]]:
+    """Each layer's parameters (names and shapes, in `named_parameters` order: the order
+    of its elements in a layer's flat state); layers of one kind share one list."""
+    kinds, firsts = layer_kinds(parts.blocks)
+    per_kind = [[(n, p.shape) for n, p in parts.blocks[f].named_parameters()] for f in firsts]
+    return [per_kind[k] for k in kinds]
+
+
+def layer_numels(parts: ModelParts) -> list[int]:
+    """Parameters of each layer."""
+    return [sum(s.numel() for _, s in spec) for spec in layer_specs(parts)]
 
 
 def resident_named_params(parts: ModelParts) -> list[tuple[str, nn.Parameter]]:

@@ -49,7 +49,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as st_save_file
 
-from snake.adapters import ModelParts, block_param_names, resident_named_params
+from snake.adapters import ModelParts, layer_kinds, layer_specs, resident_named_params
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
@@ -236,9 +236,27 @@ def model_spec(parts: ModelParts) -> dict[str, Any]:
     return {
         "blocks_prefix": parts.blocks_prefix,
         "n_layer": len(parts.blocks),
-        "block_params": [[n, list(s)] for n, s in block_param_names(parts)],
+        # the first kind's parameters (every layer's, where the layers are of one kind); with
+        # several kinds, each layer's kind and each kind's parameters
+        "block_params": [[n, list(s)] for n, s in layer_specs(parts)[0]],
+        **_kinds_spec(parts),
         "resident_params": [[n, list(p.shape)] for n, p in resident_named_params(parts)],
     }
+
+
+def _kinds_spec(parts: ModelParts) -> dict[str, Any]:
+    kinds, firsts = layer_kinds(parts.blocks)
+    if len(firsts) == 1:
+        return {}
+    specs = layer_specs(parts)
+    return {"layer_kinds": kinds, "kind_params": [[[n, list(s)] for n, s in specs[f]] for f in firsts]}
+
+
+def _layer_spec(spec: dict[str, Any], layer: int) -> list[list[Any]]:
+    """Layer `layer`'s [name, shape] list from a model spec (a manifest's or model_spec's)."""
+    if "layer_kinds" in spec:
+        return spec["kind_params"][spec["layer_kinds"][layer]]
+    return spec["block_params"]
 
 
 def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
@@ -307,9 +325,14 @@ def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: Model
     want, have = manifest["model"], model_spec(parts)
     if have["n_layer"] != want["n_layer"]:
         raise ConfigError("model.n_layer", have["n_layer"], f"does not match the checkpoint's {want['n_layer']}", FIX)
-    for group, label in (("block_params", f"{parts.blocks_prefix}.*."), ("resident_params", "")):
-        mine = {n: s for n, s in have[group]}
-        theirs = {n: s for n, s in want[group]}
+    groups = [(_layer_spec(have, i), _layer_spec(want, i), f"{parts.blocks_prefix}.{i}.") for i in range(have["n_layer"])]
+    if "layer_kinds" not in have and "layer_kinds" not in want:  # one kind: one message for all
+        groups = groups[:1]
+        groups[0] = (groups[0][0], groups[0][1], f"{parts.blocks_prefix}.*.")
+    groups.append((have["resident_params"], want["resident_params"], ""))
+    for mine_list, theirs_list, label in groups:
+        mine = {n: s for n, s in mine_list}
+        theirs = {n: s for n, s in theirs_list}
         for n, s in mine.items():
             if n not in theirs:
                 raise ConfigError(f"model.{label}{n}", tuple(s), "is not in the checkpoint", FIX)
@@ -409,7 +432,7 @@ def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Call
     (the optimizer's idle staging buffers: the first takes the tails as read, the others
     the copies) and, for what does not fit there, into a mapping of the save's own."""
     store = e.stores["opt"]
-    spec = block_param_names(parts)
+    specs = layer_specs(parts)
     buf = bufs[0] if bufs else (alloc_host(store.max_tail_bytes, pin=False) if store.max_tail_bytes else None)
     # beyond the borrowed buffers: one mapping reused layer to layer (torch.empty per
     # parameter left glibc's arenas holding each layer's copies: +30-60 MiB per layer)
@@ -447,7 +470,7 @@ def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Call
         out: dict[str, torch.Tensor] = {}
         copied: list[tuple[str, torch.Size, int, int]] = []  # parameters not in one head
         a = 0
-        for name, shape in spec:
+        for name, shape in specs[layer]:
             b = a + shape.numel()
             home = next(((s0, u) for s0, u in units if s0 <= a and b <= s0 + u.k), None)
             if home is None:
@@ -503,7 +526,7 @@ def layer_tensors(parts: ModelParts, layer: int, stacked: torch.Tensor) -> dict[
     out: dict[str, torch.Tensor] = {}
     for c, comp in enumerate(COMPS):
         off = 0
-        for name, shape in block_param_names(parts):
+        for name, shape in layer_specs(parts)[layer]:
             n = shape.numel()
             out[f"{comp}/{prefix}{name}"] = stacked[c, off : off + n].view(shape)
             off += n
@@ -695,7 +718,7 @@ def apply_checkpoint(
     ostore, pstore = e.stores["opt"], e.stores["param"]
     obuf = obuf if obuf is not None else alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
     pbuf = pbuf if pbuf is not None else alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
-    spec = block_param_names(parts)
+    specs = layer_specs(parts)
     for layer in range(e.N):
         # unit by unit, each parameter's piece straight into the unit's head and staging
         # buffer (no copy of the layer's state: one parameter's tensor at a time)
@@ -709,8 +732,16 @@ def apply_checkpoint(
                 ohead, phead = ostore.head(ou), pstore.head(pu)[0]
                 otail = ostore.tail(ou, obuf) if ou.tail_n else None
                 ptail = pstore.tail(pu, pbuf)[0] if pu.tail_n else None
+                # a smaller kind's rest of the unit: zeros (the staging buffers hold
+                # whatever they last carried)
+                rest = max(e.kernels.kind_params[e.kernels.kinds[layer]], s0)
+                if rest < s0 + n:
+                    zeros = torch.zeros(s0 + n - rest, dtype=torch.float32)
+                    for c in range(len(COMPS)):
+                        _spread(zeros, rest - s0, ou.k, ohead[c], otail[c] if otail is not None else None)
+                    _spread(zeros.to(e.dtype), rest - s0, pu.k, phead, ptail)
                 a = 0
-                for name, shape in spec:
+                for name, shape in specs[layer]:
                     b = a + shape.numel()
                     lo, hi = max(a, s0), min(b, s0 + n)
                     if lo < hi:

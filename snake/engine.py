@@ -331,7 +331,9 @@ class Engine:
         parts = self.kernels.parts
         scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
         for layer, block in enumerate(parts.blocks):
-            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in block.parameters()])
+            flat = torch.zeros(self.P, dtype=torch.float32)  # a smaller kind's rest: zeros
+            torch.cat([p.detach().reshape(-1).to(torch.float32) for p in block.parameters()],
+                      out=flat[: self.kernels.kind_params[self.kernels.kinds[layer]]])
             off = 0
             for part, n in enumerate(self.part_sizes):
                 if not n:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from snake.adapters import ModelParts, block_param_names, resident_named_params, takes_layer
+from snake.adapters import ModelParts, layer_kinds, resident_named_params, takes_layer
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
@@ -65,16 +65,35 @@ class Kernels:
             self.generators.append(torch.cuda.default_generators[index])
         self.opt = config.optimizer
         self.parts = parts
-        # one device "shell" block: its own weights are never used, each layer's arrive in a slot
-        shell = copy.deepcopy(parts.blocks[0]).to(device=device, dtype=self.dtype)
-        shell.train()
-        self.block = _BlockCall(shell, parts.block_fn)
-        self.layer_attrs = _layer_attrs(shell, list(parts.blocks))
-        spec = block_param_names(parts)
-        self.block_sites = _param_sites(shell, [n for n, _ in spec])
-        self.block_shapes = [s for _, s in spec]
-        self.block_numels = [s.numel() for s in self.block_shapes]
-        self.layer_params = sum(self.block_numels)
+        # one device "shell" block per layer kind (a copy of the kind's first block): its
+        # own weights are never used, each layer's arrive in a slot
+        blocks = list(parts.blocks)
+        self.kinds, firsts = layer_kinds(blocks)
+        self.calls: list[_BlockCall] = []
+        self.kind_sites: list[list[list[tuple[nn.Module, str]]]] = []
+        self.kind_shapes: list[list[torch.Size]] = []
+        self.kind_numels: list[list[int]] = []
+        # per layer, the scalar attributes and the buffers to set on its kind's shell where
+        # the layers of the kind differ (`_layer_attrs`, `_layer_buffers`)
+        self.layer_attrs: list[list[tuple[nn.Module, str, object]]] = [[] for _ in blocks]
+        self.layer_buffers: list[list[tuple[nn.Module, str, torch.Tensor]]] = [[] for _ in blocks]
+        for kind, first in enumerate(firsts):
+            shell = _shell(blocks[first]).to(device=device, dtype=self.dtype)
+            shell.train()
+            self.calls.append(_BlockCall(shell, parts.block_fn))
+            spec = list(blocks[first].named_parameters())
+            self.kind_sites.append(_param_sites(shell, [n for n, _ in spec]))
+            self.kind_shapes.append([p.shape for _, p in spec])
+            self.kind_numels.append([p.numel() for _, p in spec])
+            mine = [i for i, k in enumerate(self.kinds) if k == kind]
+            for i, attrs in zip(mine, _layer_attrs(shell, [blocks[i] for i in mine]) or [[]] * len(mine), strict=True):
+                self.layer_attrs[i] = attrs
+            for i, bufs in zip(mine, _layer_buffers(shell, [blocks[i] for i in mine], device), strict=True):
+                self.layer_buffers[i] = bufs
+        self.kind_params = [sum(n) for n in self.kind_numels]
+        # every layer's room in the tiers and slots: the largest kind's (a smaller kind's
+        # rest is zeros, which stay zero: no gradient reaches them and AdamW keeps 0 at 0)
+        self.layer_params = max(self.kind_params)
         # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
         model = parts.model
         # training mode for pre/post (dropout) while the engine lives; the user's modes come
@@ -127,23 +146,29 @@ class Kernels:
                 g.set_state(state)
 
     def bind(self, tensors: list[torch.Tensor], layer: int) -> nn.Module:
-        """The shell block as layer `layer`: `tensors` as its parameters (in
-        `block_param_names` order), and that layer's own values of the scalar attributes in
-        which the layers differ (`_layer_attrs`). Sets the parameters straight into the
-        submodules' parameter dicts: `functional_call` walks and swaps the module tree on
-        every call (~0.4 ms per block call on a CPU)."""
-        for sites, tensor in zip(self.block_sites, tensors, strict=True):
+        """The shell block of `layer`'s kind as layer `layer`: `tensors` as its parameters
+        (in `named_parameters` order), and that layer's own values of the scalar attributes
+        in which the layers of its kind differ (`_layer_attrs`). Sets the parameters straight
+        into the submodules' parameter dicts: `functional_call` walks and swaps the module
+        tree on every call (~0.4 ms per block call on a CPU)."""
+        kind = self.kinds[layer]
+        for sites, tensor in zip(self.kind_sites[kind], tensors, strict=True):
             for module, attr in sites:
                 module._parameters[attr] = tensor  # type: ignore[assignment]
-        for module, attr, value in self.layer_attrs[layer] if self.layer_attrs else ():
+        for module, attr, buf in self.layer_buffers[layer]:
+            module._buffers[attr] = buf
+        for module, attr, value in self.layer_attrs[layer]:
             if value is _ABSENT:
                 module.__dict__.pop(attr, None)
             else:
                 module.__dict__[attr] = value
-        return self.block
+        return self.calls[kind]
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [v.view(s) for v, s in zip(flat.split(self.block_numels), self.block_shapes, strict=True)]
+    def views(self, flat: torch.Tensor, layer: int) -> list[torch.Tensor]:
+        """`layer`'s parameters as views of its flat slot (the first elements of it)."""
+        kind = self.kinds[layer]
+        pieces = flat[: self.kind_params[kind]].split(self.kind_numels[kind])
+        return [v.view(s) for v, s in zip(pieces, self.kind_shapes[kind], strict=True)]
 
     def _res_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         d = dict(zip(self.res_names, tensors, strict=True))
@@ -166,7 +191,7 @@ class Kernels:
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, layer, m):
-            y = self.bind(self.views(slot), layer)(x, layer)
+            y = self.bind(self.views(slot, layer), layer)(x, layer)
         return y.contiguous()
 
     def head(
@@ -211,12 +236,16 @@ class Kernels:
     ) -> torch.Tensor:
         """Recompute the block from its input checkpoint, backprop `gy`; add (or copy) the
         fp32 parameter gradient into `acc`; return the gradient into the block's input."""
-        params = [v.detach().requires_grad_(True) for v in self.views(slot)]
+        params = [v.detach().requires_grad_(True) for v in self.views(slot, layer)]
         x = x.detach().requires_grad_(True)
         with torch.enable_grad(), self.rng(t, layer, m):
             y = self.bind(params, layer)(x, layer)
             grads = torch.autograd.grad(y, [x, *params], grad_outputs=gy, allow_unused=True)
-        for a, g in zip(acc.split(self.block_numels), grads[1:], strict=True):
+        kind = self.kinds[layer]
+        n = self.kind_params[kind]
+        if not accumulate and n < acc.numel():  # a smaller kind: its rest stays zero
+            acc[n:].zero_()
+        for a, g in zip(acc[:n].split(self.kind_numels[kind]), grads[1:], strict=True):
             if g is None:
                 if not accumulate:
                     a.zero_()
@@ -251,6 +280,14 @@ class Kernels:
             n[len("model.") :]: m.view(s).clone()
             for n, m, s in zip(self.res_names, self.res_master, self.res_shapes, strict=True)
         }
+
+
+def _shell(block: nn.Module) -> nn.Module:
+    """A copy of `block` whose parameters are empty placeholders (a tied weight stays one
+    placeholder): `bind` puts each layer's in before every call, so copying the block's
+    own weights (one layer of memory per kind, on the device) would be waste."""
+    memo: dict[int, object] = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype)) for p in block.parameters()}
+    return copy.deepcopy(block, memo)
 
 
 _ABSENT = object()
@@ -292,6 +329,27 @@ def _layer_attrs(shell: nn.Module, blocks: list[nn.Module]) -> list[list[tuple[n
     modules = dict(shell.named_modules())
     return [[(modules[name], attr, attrs.get((name, attr), _ABSENT)) for name, attr in keys if name in modules]
             for attrs in per_layer]
+
+
+def _layer_buffers(
+    shell: nn.Module, blocks: list[nn.Module], device: torch.device
+) -> list[list[tuple[nn.Module, str, torch.Tensor]]]:
+    """Per layer (of one kind), what to set on the kind's shell to give it the layer's own
+    buffer values: each buffer whose values differ between the layers (a router's
+    per-expert bias), as the layer's copy on the device in the shell's dtype. Empty lists
+    where every layer has the same values (a rotary table, a causal mask)."""
+    named = [dict(b.named_buffers()) for b in blocks]
+    differ = [n for n, x in named[0].items() if any(not torch.equal(x, other[n]) for other in named[1:])]
+    modules = dict(shell.named_modules())
+    out: list[list[tuple[nn.Module, str, torch.Tensor]]] = [[] for _ in blocks]
+    for name in differ:
+        owner, _, attr = name.rpartition(".")
+        module = modules[owner]
+        like = module._buffers[attr]
+        assert like is not None
+        for i, bufs in enumerate(named):
+            out[i].append((module, attr, bufs[name].to(device=device, dtype=like.dtype).clone()))
+    return out
 
 
 def _param_sites(module: nn.Module, names: list[str]) -> list[list[tuple[nn.Module, str]]]:

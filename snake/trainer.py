@@ -15,7 +15,7 @@ from torch import nn
 
 from snake.actors.compute import StepReport
 from snake.actors.optimizer import flush_delayed
-from snake.adapters import ModelParts, block_param_names, describe, input_rows, vocab_size
+from snake.adapters import ModelParts, describe, input_rows, layer_specs, vocab_size
 from snake.blocking import run_blocking, settle
 from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
@@ -154,19 +154,20 @@ class SnakeTrainer:
         alias: dict[str, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             alias[name] = canonical.setdefault(id(p), name)
-        spec = block_param_names(self.parts)
-        offsets = {}
-        off = 0
-        for name, shape in spec:
-            offsets[name] = (off, shape)
-            off += shape.numel()
+        offsets = []  # per layer: name -> (first element in the layer's flat state, shape)
+        for spec in layer_specs(self.parts):
+            here, off = {}, 0
+            for name, shape in spec:
+                here[name] = (off, shape)
+                off += shape.numel()
+            offsets.append(here)
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}
         for key, value in model.state_dict().items():
             if key.startswith(prefix):
                 i_str, _, pname = key[len(prefix) :].partition(".")
-                if pname in offsets:
-                    o, shape = offsets[pname]
+                if pname in offsets[int(i_str)]:
+                    o, shape = offsets[int(i_str)][pname]
                     out[key] = masters[int(i_str)][o : o + shape.numel()].view(shape).clone()
                     continue
             elif alias.get(key) in resident:

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from snake.adapters import ModelParts
 from snake.models import GPT, GPTConfig
 
 
@@ -94,3 +95,53 @@ def assert_tracks_updates(got: dict, want: dict, init: dict, *, overall: float =
         if moved > 0:
             assert err / moved < each, f"{k}: update off by {err / moved:.3f} of itself"
     assert den > 0 and (num / den) ** 0.5 < overall, f"updates off by {(num / den) ** 0.5:.3f} of themselves"
+
+
+class _Dense(torch.nn.Module):
+    def __init__(self, d: int, act: torch.nn.Module) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, 2 * d)
+        self.act = act
+        self.down = torch.nn.Linear(2 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(self.act(self.up(h)))
+
+
+class _Experts(torch.nn.Module):
+    """A dense mixture of three experts: the largest kind of layer."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(d, 3, bias=False)
+        self.experts = torch.nn.ModuleList(_Dense(d, torch.nn.GELU()) for _ in range(3))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.router(h), dim=-1)
+        return sum(w[..., e : e + 1] * (self.experts[e](h) - h) for e in range(3)) + h
+
+
+class KindsLM(torch.nn.Module):
+    """Layers of three kinds, the first of them not the largest: dense with SiLU (layers 0
+    and 4), mixtures of experts (1 and 3), dense with ReLU (2: the same parameters as
+    layer 0, another activation)."""
+
+    def __init__(self, d: int = 16, vocab: int = 96) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList([
+            _Dense(d, torch.nn.SiLU()), _Experts(d), _Dense(d, torch.nn.ReLU()), _Experts(d), _Dense(d, torch.nn.SiLU()),
+        ])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def kinds_parts(model: KindsLM) -> ModelParts:
+    return ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                      pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))

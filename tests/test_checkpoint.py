@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snake.checkpoint as ckpt
 from snake import ConfigError, Placement, SnakeConfig, SnakeError, SnakeTrainer
-from tests.helpers import batches, tiny_gpt
+from tests.helpers import KindsLM, batches, kinds_parts, tiny_gpt
 
 TIMEOUT = 120
 MIXED = Placement(param=0.5, ckpt=0.5, opt=0.5)
@@ -495,7 +495,7 @@ async def test_save_and_load_hold_no_copy_of_a_layer(tmp_path, opt, monkeypatch)
 SAVE_PAST_A_FILE_LIMIT = """
 import asyncio, json, resource, signal, sys
 from snake import Placement, SnakeConfig, SnakeTrainer
-from tests.helpers import batches, tiny_gpt
+from tests.helpers import KindsLM, batches, kinds_parts, tiny_gpt
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
 
 async def main(off, ck):
@@ -546,3 +546,47 @@ def test_a_save_that_cannot_write_fails_by_name_and_keeps_the_last_checkpoint(tm
     for name, info in before["files"].items():
         assert hashlib.sha256((ck / name).read_bytes()).hexdigest() == info["sha256"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp-")]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("opt", [0.0, 0.37])
+async def test_layers_of_several_kinds_resume_exactly_and_are_checked_per_layer(tmp_path, opt):
+    """Dense and mixture-of-experts layers: each layer's file holds its own kind's
+    parameters, the manifest each layer's kind, and a resumed run is bitwise the
+    uninterrupted one. A model whose layer is of another kind than the checkpoint's is
+    refused naming that layer's parameter."""
+    kw = dict(placement=Placement(param=0.5, ckpt=1.0, opt=opt), alpha=0.3)
+
+    def cfg(name: str) -> SnakeConfig:
+        return config(tmp_path, name, **kw)
+
+    async def body():
+        data = batches(4, 4)
+        async with SnakeTrainer(kinds_parts(KindsLM()), data=data, config=cfg("straight")) as t:
+            await t.run(4)
+            want = await t.state_dict()
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(kinds_parts(KindsLM()), data=data, config=cfg("first")) as t:
+            await t.run(2)
+            await t.save(where)
+            mid = await t.state_dict()
+        other = KindsLM()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.mul_(-1.0)  # everything must come from the checkpoint
+        async with SnakeTrainer(kinds_parts(other), data=data, config=cfg("second")) as t:
+            await t.load(where)
+            assert_equal_state(await t.state_dict(), mid)
+            await t.run(2)
+            assert_equal_state(await t.state_dict(), want)
+        manifest = json.loads((where / "manifest.json").read_text())
+        assert manifest["model"]["layer_kinds"] == [0, 1, 2, 1, 0]
+        # layer 2 a mixture of experts where the checkpoint has a dense layer
+        swapped = KindsLM()
+        swapped.layers[2] = type(swapped.layers[1])(16)
+        async with SnakeTrainer(kinds_parts(swapped), data=data, config=cfg("third")) as t:
+            with pytest.raises(ConfigError) as err:
+                await t.load(where)
+            assert err.value.field.startswith("model.layers.2.")
+
+    await asyncio.wait_for(body(), TIMEOUT)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from snake import SnakeConfig
-from snake.adapters import ModelParts, block_param_names
+from snake.adapters import ModelParts, layer_specs
 from snake.kernels import Kernels
 
 
@@ -44,7 +44,7 @@ def test_shared_weight_bound_everywhere_and_gradients_match():
     torch.manual_seed(0)
     model = Tiny()
     k = _kernels(model)
-    names = [n for n, _ in block_param_names(k.parts)]
+    names = [n for n, _ in layer_specs(k.parts)[0]]
     assert sorted(names) == ["inp.weight", "scale"]  # the shared weight appears once
     blk = model.blocks[1]
     slot = torch.cat([p.detach().reshape(-1) for p in blk.parameters()])
@@ -62,7 +62,7 @@ def test_shared_weight_bound_everywhere_and_gradients_match():
     torch.testing.assert_close(acc, want)
     torch.testing.assert_close(gx, xr.grad)
     # the shell's two sites hold the same tensor (the slot's view), not a stale copy
-    shell = k.block.block
+    shell = k.calls[0].block
     assert shell.inp.weight is shell.out.weight
 
 

@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from snake import ModelParts, Placement
+from snake.adapters import layer_kinds, takes_layer
 from tests.helpers import (
+    KindsLM,
     assert_close_state,
     assert_tracks_updates,
     batches,
+    kinds_parts,
     reference,
     tiny_gpt,
     train,
@@ -298,4 +301,66 @@ async def test_private_and_tuple_attributes_are_carried_per_layer(tmp_path):
                        block_fn=lambda block, h: h + block._residual * block.pair[1] * torch.tanh(block(h)))
     got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule,placement", itertools.product(["vertical", "horizontal"], ["mixed", "ssd"]))
+async def test_layers_of_several_kinds_train_as_themselves(tmp_path, schedule, placement):
+    """Dense and mixture-of-experts layers in one model: each kind runs through a copy of
+    its own first block, every layer takes the largest kind's room (the smaller kinds'
+    rest zeros that never change), and the weights are plain PyTorch's for both schedules,
+    a delayed share that lies in the smaller kinds' zeros, and the tiers on SSD."""
+    model = KindsLM()
+    assert layer_kinds(model.layers) == ([0, 1, 2, 1, 0], [0, 1, 2])
+    data = batches(3, 4)
+    want, want_losses = reference(model, data, 2)
+    got, report, traffic = await train(kinds_parts(model), data, 3, offload_dir=tmp_path / "off", micro_batches=2,
+                                       placement=PLACEMENTS[placement], alpha=0.3, schedule=schedule)
+    assert_close_state(got, want)
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
+    # every layer moves the largest kind's room (5 layers of the experts' size), twice an
+    # iteration (vertical) or twice per micro-batch (horizontal)
+    largest = sum(p.numel() for p in model.layers[1].parameters())
+    loads = 2 if schedule == "vertical" else 2 * 2
+    assert traffic[("cpu", "gpu", "param")] == loads * 5 * largest * 4
+
+
+class _BufferedLM(_StridedLM):
+    """Layers alike in their parameters whose buffers differ (as a router's per-expert bias
+    does in DeepSeek V3 from layer to layer)."""
+
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        for layer in self.layers:
+            del layer.residual
+            layer.register_buffer("shift", torch.randn(16, generator=g), persistent=persistent)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = _shifted(layer, h)
+        return self.head(h)
+
+
+def _shifted(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h + torch.tanh(layer(h) + layer.shift)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule,persistent", [("vertical", True), ("horizontal", False)])
+async def test_layers_whose_buffers_differ_train_as_themselves(tmp_path, schedule, persistent):
+    """Round 23 refused blocks whose buffer values differ (every layer ran with block 0's);
+    the shell now takes each layer's own, and the buffers come back unchanged. The block
+    function names its block `layer`: that is not the index's parameter (it was called
+    with layer=i twice over)."""
+    assert not takes_layer(_shifted)
+    model = _BufferedLM(persistent)
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h), block_fn=_shifted)
+    got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, schedule=schedule)
     assert_close_state(got, want)

@@ -142,25 +142,35 @@ def test_json_on_stdout_is_only_json(tmp_path):
     assert json.loads(done.stdout)["micro_batches"] >= 1
 
 
-def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "dense-and-sparse"])
+def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monkeypatch, kind):
     """`--model hf:DIR`: a Hugging Face model known by its config.json (no weights). The
-    probes time the model built from its config with one layer; the plan's shape is the
-    full model's, as the trainer would see it (layers, parameters per layer, resident
-    parameters, hidden size, vocabulary)."""
+    probes time the model built from its config with its first layer (all layers alike),
+    or with its first layers up to one of each kind, averaged over the whole model's
+    layers (a mixture of experts whose layers 0 and 5 are dense); the plan's shape is the
+    full model's, as the trainer would see it (layers, parameters per layer: the largest
+    kind's, resident parameters, hidden size, vocabulary)."""
     import transformers
 
     import planner.cli as cli
     from planner.profile import measure_profile, shape_of_parts
     from snake.adapters import describe
 
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=12, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=200, max_position_embeddings=64)
-    d = tmp_path / "llama"
+    common = dict(hidden_size=64, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                  max_position_embeddings=64)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(intermediate_size=172, **common)
+        blocks, counts = 1, None
+    else:
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, mlp_only_layers=[0, 5], **common)
+        blocks, counts = 2, [2, 10]
+    d = tmp_path / kind
     cfg.save_pretrained(d)
     seen = {}
 
     def fast(model, **kw):  # the real probes, shortened
-        seen["blocks"] = len(model.blocks)
+        seen["blocks"], seen["counts"] = len(model.blocks), kw.get("kind_counts")
         return measure_profile(model, **{**kw, "io_bytes": 16 << 20, "seconds_per_probe": 0.05})
 
     monkeypatch.setattr(cli, "measure_profile", fast)
@@ -169,7 +179,7 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
     assert plan_main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["micro_batches"] >= 1 and set(plan["placement"]) == {"param", "ckpt", "opt"}
-    assert seen["blocks"] == 1  # one layer built and timed
+    assert (seen["blocks"], seen["counts"]) == (blocks, counts)  # the layers built and timed
     # the same shape the trainer plans with
     full = describe(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
     got = {}
@@ -186,7 +196,6 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
         ("hf:{tmp}/llama", [], "snake plan: --seq-len is required with an hf: model ("),
         ("hf:{tmp}/llama", ["--seq-len", "100"], "must be <= the model's max_position_embeddings=64"),
         # what training refuses in the whole model, though its first layer alone would plan
-        ("hf:{tmp}/dense-and-sparse", ["--seq-len", "32"], "block 1 (Qwen3MoeDecoderLayer) differs from block 0"),
         ("hf:{tmp}/router-loss", ["--seq-len", "32"], "output_router_logits=True"),
     ],
 )
@@ -196,7 +205,6 @@ def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
                              vocab_size=200, max_position_embeddings=64).save_pretrained(tmp_path / "llama")
     moe = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=200, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    transformers.Qwen3MoeConfig(**moe, mlp_only_layers=[1]).save_pretrained(tmp_path / "dense-and-sparse")
     transformers.Qwen3MoeConfig(**moe, output_router_logits=True).save_pretrained(tmp_path / "router-loss")
     argv = ["--model", model.format(tmp=tmp_path), "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "o"), *extra]
     assert plan_main(argv) == 2

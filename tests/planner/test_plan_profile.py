@@ -90,6 +90,42 @@ def test_block_probe_measures_again_while_the_backward_reads_zero(monkeypatch):
     assert 0 < f <= r and b > 0
 
 
+def test_block_probe_times_each_layer_kind_and_averages_over_the_layers(monkeypatch):
+    """Layers of several kinds: each kind is timed on its own (with its own layers' indices)
+    and the times are averaged over the model's layers, or over `kind_counts` where the
+    parts hold a sample of a larger model's layers (snake plan's hf: models)."""
+    from planner import probes
+    from tests.helpers import KindsLM, kinds_parts
+
+    timed = []
+
+    def per_kind(parts, layers, new_block, hidden, *rest):
+        timed.append(layers)
+        t = float(10 ** len(timed) / 10)  # kind 0: 1 s, kind 1: 10 s, kind 2: 100 s
+        return t, 2 * t, 3 * t
+
+    monkeypatch.setattr(probes, "_kind_seconds", per_kind)
+    parts = kinds_parts(KindsLM())  # kinds [0, 1, 2, 1, 0]
+    f, r, b = probes.block_seconds(None, 1, 8, torch.device("cpu"), torch.float32, 0.01, parts=parts)
+    assert timed == [[0, 4], [1, 3], [2]]
+    assert (f, r, b) == pytest.approx((24.4, 48.8, 73.2))  # (2 x 1 + 2 x 10 + 100) / 5
+    timed.clear()
+    f, _, _ = probes.block_seconds(None, 1, 8, torch.device("cpu"), torch.float32, 0.01, parts=parts,
+                                   kind_counts=[1, 1, 8])
+    assert f == pytest.approx(81.1)
+    with pytest.raises(ValueError, match="kind_counts: 2 counts for a model of 3 layer kinds"):
+        probes.block_seconds(None, 1, 8, torch.device("cpu"), torch.float32, 0.01, parts=parts, kind_counts=[1, 1])
+
+
+def test_block_probe_runs_each_kind_for_real():
+    from planner import probes
+    from tests.helpers import KindsLM, kinds_parts
+
+    f, r, b = probes.block_seconds(None, 1, 8, torch.device("cpu"), torch.float32, 0.01,
+                                   parts=kinds_parts(KindsLM()))
+    assert 0 < f and 0 < r and 0 < b
+
+
 def test_profile_validation_and_json_round_trip():
     p = synthetic_profile()
     assert MachineProfile.from_json(p.to_json()) == p
