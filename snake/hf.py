@@ -45,8 +45,9 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 # norm and head (`lm_head`) compose as Llama's, with what some of them do outside their
 # layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`; what a layer
 # reads from its own attributes, snake's kernels set per layer); each is trained against
-# plain PyTorch in tests/test_hf.py. Not here: Llama 4 (layers of two parameter shapes),
-# hybrids of attention and recurrent layers
+# plain PyTorch in tests/test_hf.py. Not here: hybrids of attention and recurrent layers,
+# sparse attention with an indexer (DeepSeek V3.2), parameters a model keeps frozen (Ernie
+# 4.5 MoE's routing statistics)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -54,6 +55,12 @@ _LLAMA_FAMILY = (
     "OlmoeForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "CohereForCausalLM", "PhiForCausalLM",
     "GlmForCausalLM", "Glm4ForCausalLM", "HeliumForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM",
     "Cohere2ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DiffLlamaForCausalLM",
+    # layers of two kinds (dense and mixture-of-experts: snake.adapters.layer_kinds), some
+    # with multi-head latent attention (DeepSeek V2 / V3), chunked attention (Llama 4) or
+    # attention sinks (gpt-oss)
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+    "Dots1ForCausalLM", "Mistral4ForCausalLM", "Llama4ForCausalLM", "GptOssForCausalLM", "Ernie4_5ForCausalLM",
+    "Cohere2MoeForCausalLM", "ExaoneMoeForCausalLM", "HunYuanMoEV1ForCausalLM",
 )
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)
@@ -145,8 +152,8 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     inner: Any = model.model
     impl = _attn_impl(model)
     _refuse_what_layers_cannot_carry(model)
-    windows, kinds = _layer_kinds(model, impl, name)
-    masks = {w: _MaskCache(impl, window=w) for w in set(windows)}
+    specs, kinds = _layer_kinds(model, impl, name)
+    masks = {spec: _MaskCache(impl, window=spec[0], chunk=spec[1]) for spec in set(specs)}
     rotary = _Rotary(getattr(inner, "rotary_emb", None))
     outside = _Outside(model, name)
 
@@ -156,7 +163,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     def post(m: Any, h: torch.Tensor) -> torch.Tensor:
         return outside.post(m, h)
 
-    uniform = len(set(zip(windows, kinds, strict=True))) == 1
+    uniform = len(set(zip(specs, kinds, strict=True))) == 1
 
     def block_fn(block: nn.Module, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         if layer is None:  # a caller from before layers could differ
@@ -168,7 +175,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             layer = 0
         position_ids = torch.arange(h.shape[1], device=h.device)[None]
         kwargs: dict[str, Any] = {
-            "attention_mask": masks[windows[layer]].get(h),
+            "attention_mask": masks[specs[layer]].get(h),
             "position_ids": position_ids,
             "use_cache": False,
         }
@@ -194,7 +201,7 @@ class _Outside:
         self.embed_mult = float(config.embedding_multiplier) if granite else None
         self.norm = "final_layernorm" if name == "PhiForCausalLM" else "norm"
         self.logits_div = float(config.logits_scaling) if granite else None
-        self.logits_mult = float(config.logit_scale) if name in ("CohereForCausalLM", "Cohere2ForCausalLM") else None
+        self.logits_mult = float(config.logit_scale) if name.startswith("Cohere") else None
         cap = getattr(config, "final_logit_softcapping", None) if name.startswith("Gemma") else None
         self.softcap = float(cap) if cap else None
 
@@ -239,28 +246,31 @@ def _refuse_what_layers_cannot_carry(model: nn.Module) -> None:
         )
 
 
-def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[int | None], list[str]]:
-    """Per layer: the attention window (None: full causal attention) and the attention type
-    (which rotary table Gemma 3 uses). ModelError for what snake cannot run."""
+def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[tuple[int | None, int | None]], list[str]]:
+    """Per layer: the mask it needs, (window, chunk) (None, None for full causal
+    attention), and its attention type (which rotary table Gemma 3 uses). ModelError for
+    what snake cannot run."""
     config: Any = model.config
     n = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     types = getattr(config, "layer_types", None)
     if types:
         kinds = list(types)[:n]
         for kind in sorted(set(kinds)):
-            if kind not in ("full_attention", "sliding_attention"):
+            if kind not in ("full_attention", "sliding_attention", "chunked_attention"):
                 raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
-        windows = [int(window) if kind == "sliding_attention" and window else None for kind in kinds]
-        if impl.startswith("flash_attention") and len(set(windows)) > 1:
+        specs = [(int(window) if kind == "sliding_attention" and window else None,
+                  int(chunk) if kind == "chunked_attention" and chunk else None) for kind in kinds]
+        if impl.startswith("flash_attention") and len(set(specs)) > 1:
             raise ModelError(
                 f"model: {name} mixes attention types across layers ({sorted(set(kinds))}), which flash "
                 "attention takes from each layer's own attributes, and snake runs every layer through "
                 "one copy of layer 0: load it with attn_implementation='sdpa' (or 'eager')"
             )
-        return windows, kinds
+        return specs, kinds
     w = _uniform_window(model, impl, name)
-    return [w] * n, ["sliding_attention" if w else "full_attention"] * n
+    return [(w, None)] * n, ["sliding_attention" if w else "full_attention"] * n
 
 
 def _uniform_window(model: nn.Module, impl: str, name: str) -> int | None:
@@ -311,20 +321,23 @@ def _hidden(out: Any) -> torch.Tensor:
 class _MaskCache:
     """The attention mask a layer needs for a (T, dtype, device): None where the attention
     kernel masks causally by itself, else an additive (1, 1, T, T) mask with the dtype's
-    minimum above the diagonal (and before the sliding window), as transformers builds it."""
+    minimum above the diagonal (and before the sliding window, or outside the query's chunk
+    of `chunk` tokens: Llama 4's chunked attention), as transformers builds it."""
 
-    def __init__(self, impl: str, window: int | None) -> None:
+    def __init__(self, impl: str, window: int | None, chunk: int | None = None) -> None:
         self.impl = impl
         self.window = window
+        self.chunk = chunk
         self._cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def get(self, h: torch.Tensor) -> torch.Tensor | None:
         T = h.shape[1]
         needs_window = self.window is not None and T > self.window
+        needs_chunk = self.chunk is not None and T > self.chunk
         if self.impl.startswith("flash_attention"):
             return None  # flash kernels get the window from the layer itself
-        if self.impl in _SELF_CAUSAL and not needs_window:
+        if self.impl in _SELF_CAUSAL and not needs_window and not needs_chunk:
             return None
         key = (T, h.dtype, h.device)
         with self._lock:
@@ -336,6 +349,9 @@ class _MaskCache:
                 if needs_window:
                     assert self.window is not None
                     allowed &= k > q - self.window
+                if needs_chunk:
+                    assert self.chunk is not None
+                    allowed &= (k // self.chunk) == (q // self.chunk)
                 mask = torch.zeros(T, T, dtype=h.dtype, device=h.device)
                 mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
                 mask = mask[None, None]
@@ -346,7 +362,8 @@ class _MaskCache:
 
 
 class _Rotary:
-    """(cos, sin) for positions 0..T-1 from a private copy of the model's `rotary_emb`, one
+    """The rotary embedding for positions 0..T-1 ((cos, sin), or the complex `freqs_cis` of
+    DeepSeek V2 and Llama 4) from a private copy of the model's `rotary_emb`, one
     copy per device (its buffers are the model's, outside the blocks, so the shell block
     that snake runs on the device does not carry them); for the layer's attention type
     where the table depends on it (Gemma 3: local and global bases). None where the model
@@ -358,9 +375,7 @@ class _Rotary:
         self._per_device: dict[torch.device, nn.Module] = {}
         self._lock = threading.Lock()
 
-    def __call__(
-        self, h: torch.Tensor, position_ids: torch.Tensor, kind: str
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(self, h: torch.Tensor, position_ids: torch.Tensor, kind: str) -> Any:
         if self.rotary is None:
             return None
         with self._lock:
@@ -369,8 +384,7 @@ class _Rotary:
                 mod = copy.deepcopy(self.rotary).to(h.device)
                 self._per_device[h.device] = mod
         with torch.no_grad():
-            cos, sin = mod(h, position_ids, kind) if self.per_type else mod(h, position_ids)
-        return cos, sin
+            return mod(h, position_ids, kind) if self.per_type else mod(h, position_ids)
 
 
 # -- loading and export ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import transformers as tf
 from torch import nn
 
 from snake import ModelError, ModelParts, Placement, SnakeConfig, SnakeTrainer
-from snake.adapters import call_block, describe
+from snake.adapters import call_block, describe, layer_kinds
 from snake.hf import describe_hf, export_hf, load_hf
 from tests.helpers import assert_close_state, batches
 
@@ -29,6 +29,13 @@ LLAMA_KW = dict(
 # attention types, the multipliers and caps outside the layers set away from 1)
 SMALL_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MIXED = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+# multi-head latent attention (DeepSeek V2 / V3 and kin) and routed experts from layer 1 on
+MLA = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+       "v_head_dim": 16}
+ROUTED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+          "first_k_dense_replace": 1}
+GENERIC_MOE = {"head_dim": 16, **SMALL_MOE, "n_routed_experts": 4, "mlp_layer_types": ["dense", "sparse", "sparse"],
+               "first_k_dense_replace": 1, "sliding_window": 4}
 FAMILY: dict[str, tuple[str, str, dict]] = {
     "llama": ("Llama", "Llama", {}), "qwen2": ("Qwen2", "Qwen2", {}), "mistral": ("Mistral", "Mistral", {}),
     "qwen3": ("Qwen3", "Qwen3", {}), "phi3": ("Phi3", "Phi3", {}), "olmo": ("Olmo", "Olmo", {}),
@@ -51,9 +58,22 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
     "cohere2": ("Cohere2", "Cohere2", {**MIXED, "logit_scale": 0.25}),
     "smollm3": ("SmolLM3", "SmolLM3", {"no_rope_layers": [1, 0, 1]}),
     "exaone4": ("Exaone4", "Exaone4", MIXED), "diffllama": ("DiffLlama", "DiffLlama", {}),
+    # layers of two kinds: layer 0 dense, the others mixtures of experts (Llama 4: every other)
+    "deepseekv3": ("DeepseekV3", "DeepseekV3", {**MLA, **ROUTED}), "deepseekv2": ("DeepseekV2", "DeepseekV2", {**MLA, **ROUTED}),
+    "glm4moe": ("Glm4Moe", "Glm4Moe", {"head_dim": 16, **ROUTED}), "glm4moelite": ("Glm4MoeLite", "Glm4MoeLite", {**MLA, **ROUTED}),
+    "dots1": ("Dots1", "Dots1", {**ROUTED, "n_shared_experts": 1}), "mistral4": ("Mistral4", "Mistral4", {**MLA, **ROUTED}),
+    "llama4": ("Llama4Text", "Llama4", {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 128,
+                                        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                                        "attention_chunk_size": 8}),
+    "gptoss": ("GptOss", "GptOss", {"head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+                                    "num_experts_per_tok": 2, "sliding_window": 4}),
+    "ernie45": ("Ernie4_5", "Ernie4_5", {}),
+    "cohere2moe": ("Cohere2Moe", "Cohere2Moe", {**GENERIC_MOE, "logit_scale": 0.25}),
+    "exaonemoe": ("ExaoneMoe", "ExaoneMoe", GENERIC_MOE),
+    "hunyuanmoe": ("HunYuanMoEV1", "HunYuanMoEV1", {"head_dim": 16, "num_experts": 4, "moe_topk": 2}),
 }
 MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
-EAGER_ONLY = ("gemma2",)  # no SDPA in transformers (its attention soft-caps)
+EAGER_ONLY = ("gemma2", "gptoss")  # no SDPA in transformers (soft-capped attention; attention sinks)
 # models whose attention the options above window (sequences of 16 are longer)
 WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral"]
 
@@ -200,6 +220,51 @@ def test_more_of_the_family_match_their_forward(kind):
         torch.testing.assert_close(parts_logits(describe(model), idx), model(idx).logits, rtol=0, atol=1e-5)
 
 
+TWO_KINDS = ["deepseekv3", "deepseekv2", "glm4moe", "glm4moelite", "dots1", "mistral4", "llama4", "cohere2moe",
+             "exaonemoe", "qwen3moe-dense-0"]
+
+
+@pytest.mark.parametrize("kind", TWO_KINDS)
+def test_dense_and_expert_layers_are_two_kinds(kind):
+    """DeepSeek-style models (a dense first layer, experts after it), Llama 4 (experts every
+    other layer) and Qwen3-MoE with `mlp_only_layers` have layers of two kinds, each run
+    through a copy of its own first layer."""
+    model = make("qwen3moe", mlp_only_layers=[0]) if kind == "qwen3moe-dense-0" else make(kind)
+    kinds, firsts = layer_kinds(describe(model).blocks)
+    assert kinds == ([0, 1, 0] if kind == "llama4" else [0, 1, 1]) and firsts == [0, 1]
+
+
+@pytest.mark.asyncio
+async def test_routing_biases_that_differ_per_layer_train_as_each_layers(tmp_path):
+    """DeepSeek V3's router adds a per-layer bias (a buffer, `e_score_correction_bias`) when it
+    picks experts: trained checkpoints hold another in every layer. Each layer's own is used
+    (round 23 ran every layer with block 0's buffers, or refused them)."""
+    model = make("deepseekv3")
+    g = torch.Generator().manual_seed(9)
+    for layer in model.model.layers[1:]:
+        bias = layer.mlp.gate.e_score_correction_bias
+        bias.copy_(torch.randn(bias.shape, generator=g))
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(model, data, 2)
+    got = await train_snake(model, data, tmp_path)
+    assert_matches(got, want)
+    assert not torch.equal(got["model.layers.1.mlp.gate.e_score_correction_bias"],
+                           got["model.layers.2.mlp.gate.e_score_correction_bias"])
+
+
+def test_llama4_chunked_attention_is_masked():
+    """Llama 4's chunked layers attend within chunks of attention_chunk_size tokens (8 here,
+    sequences of 16): the chunk changes the logits, and snake's parts give them."""
+    for attn in ("sdpa", "eager"):
+        model = make("llama4", attn).eval()
+        unchunked = make("llama4", attn, attention_chunk_size=64).eval()
+        idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            want = model(idx).logits
+            assert not torch.allclose(want, unchunked(idx).logits, atol=1e-3)
+            torch.testing.assert_close(parts_logits(describe(model), idx), want, rtol=0, atol=1e-5)
+
+
 def test_starcoder2_embedding_dropout_is_applied():
     """StarCoder2 drops out its embeddings outside its layers: `pre` left it out, and a run
     with embedding_dropout 0.5 gave bitwise the weights of one without (an audit's find)."""
@@ -334,7 +399,7 @@ async def test_gpt2_tied_weights_keep_state_dict_keys(tmp_path):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "deepseekv3", "llama4"])
 async def test_export_then_from_pretrained_gives_same_logits(tmp_path, kind):
     model = make(kind)
     state = await train_snake(model, batches(2, 4, seq=16, vocab=VOCAB), tmp_path, steps=2)
