@@ -119,6 +119,12 @@ class HFModel:
             return parts, None
         return parts, [kinds.count(k) for k in range(len(firsts))]
 
+    def layer_sizes(self) -> list[int]:
+        """Parameters of each layer of the whole model (read on the meta device)."""
+        from snake.adapters import layer_numels
+
+        return layer_numels(self._meta_parts())
+
     def _meta_parts(self) -> Any:
         """The whole model's ModelParts on the meta device (shapes, no data)."""
         import torch
@@ -323,8 +329,10 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
                 remeasure=args.remeasure,
             )
             if hf:  # timed with the first layers; planned with all of them
-                profile = dataclasses.replace(
-                    profile, shape=dataclasses.replace(profile.shape, n_layers=args.model.n_layer))
+                sizes = args.model.layer_sizes()
+                profile = dataclasses.replace(profile, shape=dataclasses.replace(
+                    profile.shape, n_layers=len(sizes), layer_params=-(-sum(sizes) // len(sizes)),
+                    largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None))
         budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
         profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
     except (ConfigError, ModelError) as e:

@@ -131,9 +131,11 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
     tokens = micro_batch_size * seq_len
+    sizes = layer_numels(parts)
     return ModelShape(
         n_layers=len(parts.blocks),
-        layer_params=max(layer_numels(parts)),  # every layer's room: the largest kind's
+        layer_params=-(-sum(sizes) // len(sizes)),  # layers of several kinds: their mean
+        largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
         ckpt_elems=tokens * hidden_size(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
         tokens_per_micro=tokens,

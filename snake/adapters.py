@@ -34,10 +34,10 @@ class ModelParts:
     (default: `block(hidden)`). Layers alike in class, parameter names and shapes and
     submodule classes are one kind (`layer_kinds`); every layer runs through one copy of
     its kind's first block with its parameters swapped in, and that copy also takes each
-    layer's scalar attributes (int, float, bool, str, None: an index, a window, a flag)
-    where the layers differ. Layers of several kinds (dense and mixture-of-experts, say)
-    each occupy the largest kind's room in every tier: the smaller kinds' rest is zeros
-    that are moved but never change. Anything else that differs between layers (a rotary
+    layer's buffer values and scalar attributes (int, float, bool, str, None: an index, a
+    window, a flag) where the layers of its kind differ. Layers of several kinds (dense and
+    mixture-of-experts, say) each store and move their own parameters; the device slots
+    are sized for the largest. Anything else that differs between layers (a rotary
     table outside the block) must come from the index: a block_fn with a `layer`
     parameter is called as block_fn(block, hidden, layer=i). State a layer changes in its
     own forward (a call counter) is not kept per layer, and the backward runs each layer's

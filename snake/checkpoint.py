@@ -463,7 +463,7 @@ def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Call
         prefix = f"{parts.blocks_prefix}.{layer}."
         units = []  # (first element in the layer, unit)
         off = 0
-        for part, n in enumerate(e.part_sizes):
+        for part, n in enumerate(e.layer_parts[layer]):
             if n:
                 units.append((off, store.unit((layer, part))))
                 off += n
@@ -725,21 +725,13 @@ def apply_checkpoint(
         prefix = f"{parts.blocks_prefix}.{layer}."
         with _TensorFile(target / layer_file(layer)) as f:
             s0 = 0
-            for part, n in enumerate(e.part_sizes):
+            for part, n in enumerate(e.layer_parts[layer]):
                 if not n:
                     continue
                 ou, pu = ostore.unit((layer, part)), pstore.unit((layer, part))
                 ohead, phead = ostore.head(ou), pstore.head(pu)[0]
                 otail = ostore.tail(ou, obuf) if ou.tail_n else None
                 ptail = pstore.tail(pu, pbuf)[0] if pu.tail_n else None
-                # a smaller kind's rest of the unit: zeros (the staging buffers hold
-                # whatever they last carried)
-                rest = max(e.kernels.kind_params[e.kernels.kinds[layer]], s0)
-                if rest < s0 + n:
-                    zeros = torch.zeros(s0 + n - rest, dtype=torch.float32)
-                    for c in range(len(COMPS)):
-                        _spread(zeros, rest - s0, ou.k, ohead[c], otail[c] if otail is not None else None)
-                    _spread(zeros.to(e.dtype), rest - s0, pu.k, phead, ptail)
                 a = 0
                 for name, shape in specs[layer]:
                     b = a + shape.numel()
@@ -770,7 +762,7 @@ def apply_checkpoint(
     # `step` would apply the gradients of iteration step - 1, which the masters hold
     e.first_delayed = step + 1 if step > 0 else 0
     for layer in range(e.N):
-        for part, n in enumerate(e.part_sizes):
+        for part, n in enumerate(e.layer_parts[layer]):
             if n:
                 e.ledger.set(("param", layer, part), step)
                 e.ledger.set(("opt", layer, part), step)

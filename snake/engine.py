@@ -31,6 +31,17 @@ from snake.stores import TierStore, scatter, tail_file_bytes
 from snake.trace import LINK_TRACK, Tracer, Traffic
 
 
+def _split_parts(sizes: list[int], alpha: float) -> list[tuple[int, int]]:
+    """Per layer of `sizes` elements: (now-step, delayed-step) elements, alpha of each
+    layer delayed. An alpha so small (or so near 1) that a part would round to no elements
+    delays none (or all but one); layers of several kinds delay some elements in every
+    layer or in none (the plans step a delayed part of every layer)."""
+    delayed = [min(int(round(alpha * p)), p - 1) for p in sizes]
+    if any(delayed):
+        delayed = [max(d, 1) for d in delayed] if all(p > 1 for p in sizes) else [0] * len(sizes)
+    return [(p - d, d) for p, d in zip(sizes, delayed, strict=True)]
+
+
 class Engine:
     # inline_store in use (benchmarks/contention.py turns it off to measure what it saves)
     inline_stores = True
@@ -69,15 +80,16 @@ class Engine:
         self.ledger = Ledger()
         self.kernels = k = Kernels(parts, config, device, self.M)
         self.N = len(parts.blocks)
+        # elements of each layer (of its kind: layers of several kinds differ), and of the
+        # largest: the size of the device slots and gradient buffers any layer passes through
+        self.layer_P = [k.kind_params[kind] for kind in k.kinds]
         self.P = k.layer_params
         self.dtype = k.dtype
         self.stages = build_schedule(self.N, self.M, config.schedule)
         self.S = len(self.stages)
-        # elements of each layer's now-step and delayed step: an alpha so small (or so near
-        # 1) that a part would round to no elements at all delays none (or all but one)
-        n_delayed = min(int(round(self.alpha * self.P)), self.P - 1)
-        self.part_sizes = (self.P - n_delayed, n_delayed)
-        self.plans = Plans(self.stages, self.N, delayed=n_delayed > 0)
+        self.layer_parts = _split_parts(self.layer_P, self.alpha)
+        self.delayed = self.layer_parts[0][DELAYED] > 0
+        self.plans = Plans(self.stages, self.N, delayed=self.delayed)
         self.ckpt_shape = ckpt_shape
         self.input_shape = input_shape
         self.ckpt_elems = int(torch.Size(ckpt_shape).numel())
@@ -92,7 +104,7 @@ class Engine:
         use_gds = device.type == "cuda"
         store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds,
                                         backend=config.storage_backend)
-        parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.part_sizes) if n]
+        parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.layer_parts[layer]) if n]
         ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
         self._preflight(offload_dir, parts_units, ckpt_units)
         self.stores: dict[str, TierStore] = {}
@@ -246,7 +258,7 @@ class Engine:
             "param_out": host_pool("param_out", st["param"], self.workers),
             "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_in_extra),
             "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_out_extra),
-            "opt": host_pool("opt", st["opt"], sizes.opt_tails(self.workers, self.part_sizes[1] > 0)),
+            "opt": host_pool("opt", st["opt"], sizes.opt_tails(self.workers, self.delayed)),
         }
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(
             "device_params",
@@ -282,7 +294,6 @@ class Engine:
         (ZeRO-Infinity style; the delayed share stays in it until it is stepped). On CUDA,
         horizontal also has one pinned layer buffer (`grad_staging`) that each micro-batch's
         gradient crosses on the copy stream before it is added to the accumulator."""
-        n_del = self.part_sizes[DELAYED]
         if self.vertical:
             self.grad_host: BufferPool[torch.Tensor] | None = None  # the slots serve (`slot_grads`)
             if not self.slot_grads():
@@ -290,12 +301,12 @@ class Engine:
                     alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(PoolSizes().grad_buffers)
                 ])
                 self._all_pools.append(self.grad_host)
-            self.delayed_grads = [self._delayed_room(layer, n_del) for layer in range(self.N)]
+            self.delayed_grads = [self._delayed_room(layer, self.layer_parts[layer][DELAYED]) for layer in range(self.N)]
             self.accumulators: list[torch.Tensor] = []
         else:
             self.grad_host = None
             self.delayed_grads = []
-            self.accumulators = [alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(self.N)]
+            self.accumulators = [alloc_host_tensor(n, torch.float32, pin=self.pin) for n in self.layer_P]
         # a pageable `.to("cpu")` of each micro-batch's gradient allocated (and faulted in)
         # 4 bytes per parameter on every call and ran on the compute stream: horizontal on
         # an H100 spent ~1.6 s per extra micro-batch there (BENCHMARKS.md section 8)
@@ -331,11 +342,9 @@ class Engine:
         parts = self.kernels.parts
         scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
         for layer, block in enumerate(parts.blocks):
-            flat = torch.zeros(self.P, dtype=torch.float32)  # a smaller kind's rest: zeros
-            torch.cat([p.detach().reshape(-1).to(torch.float32) for p in block.parameters()],
-                      out=flat[: self.kernels.kind_params[self.kernels.kinds[layer]]])
+            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in block.parameters()])
             off = 0
-            for part, n in enumerate(self.part_sizes):
+            for part, n in enumerate(self.layer_parts[layer]):
                 if not n:
                     continue
                 master = flat[off : off + n]
@@ -365,7 +374,7 @@ class Engine:
         out = []
         for layer in range(self.N):
             pieces = []
-            for part, n in enumerate(self.part_sizes):
+            for part, n in enumerate(self.layer_parts[layer]):
                 if not n:
                     continue
                 u = store.unit((layer, part))

@@ -91,8 +91,8 @@ class Kernels:
             for i, bufs in zip(mine, _layer_buffers(shell, [blocks[i] for i in mine], device), strict=True):
                 self.layer_buffers[i] = bufs
         self.kind_params = [sum(n) for n in self.kind_numels]
-        # every layer's room in the tiers and slots: the largest kind's (a smaller kind's
-        # rest is zeros, which stay zero: no gradient reaches them and AdamW keeps 0 at 0)
+        # the largest layer's elements: the size of the device slots every layer passes
+        # through (a smaller kind's parameters and gradients take the slot's first elements)
         self.layer_params = max(self.kind_params)
         # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
         model = parts.model
@@ -243,7 +243,7 @@ class Kernels:
             grads = torch.autograd.grad(y, [x, *params], grad_outputs=gy, allow_unused=True)
         kind = self.kinds[layer]
         n = self.kind_params[kind]
-        if not accumulate and n < acc.numel():  # a smaller kind: its rest stays zero
+        if not accumulate and n < acc.numel():  # a smaller kind's slot: no stale rest
             acc[n:].zero_()
         for a, g in zip(acc[:n].split(self.kind_numels[kind]), grads[1:], strict=True):
             if g is None:

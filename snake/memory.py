@@ -23,10 +23,14 @@ OPT_BYTES_PER_ELEM = 12  # fp32 master + Adam m + v
 class ModelShape:
     """What the memory and time models need to know about a model.
 
-    layer_params: elements of one block. ckpt_elems: elements of one block's input for one
-    micro-batch (batch x seq x hidden). resident_params: pre/post elements (embeddings, head).
-    tokens_per_micro: target tokens of one micro-batch. vocab_size: logits per token of the
-    head (0: a model without one)."""
+    layer_params: elements of one block (where the blocks are of several kinds, the mean
+    over the layers, rounded up: what the layers store and move in all is n_layers times
+    it). largest_layer_params: elements of the largest block, where it is larger (what the
+    runtime's slots and staging buffers are sized for); None where all are alike.
+    ckpt_elems: elements of one block's input for one micro-batch (batch x seq x hidden).
+    resident_params: pre/post elements (embeddings, head). tokens_per_micro: target tokens
+    of one micro-batch. vocab_size: logits per token of the head (0: a model without
+    one)."""
 
     n_layers: int
     layer_params: int
@@ -35,6 +39,12 @@ class ModelShape:
     tokens_per_micro: int
     dtype_bytes: int
     vocab_size: int
+    largest_layer_params: int | None = None
+
+    @property
+    def largest(self) -> int:
+        """Elements of the largest block."""
+        return self.largest_layer_params or self.layer_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +105,13 @@ def host_memory(
     grad_staging: horizontal on CUDA also holds one pinned fp32 layer buffer that each
     micro-batch's gradient is copied into before it is added to the layer's accumulator."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
+    big = shape.largest  # staging buffers and gradient buffers: sized for the largest layer
     param_total = n * p * db
     ckpt_total = n * n_micro * c * db
     opt_total = n * p * OPT_BYTES_PER_ELEM
-    param_unit = p * db
+    param_unit = big * db
     ckpt_unit = c * db
-    opt_unit = p * OPT_BYTES_PER_ELEM
+    opt_unit = big * OPT_BYTES_PER_ELEM
     param_pool = pools.param_tails + workers  # loads + optimizer write-back
     # two pools (reads, writes), each of (a layer's units on SSD <= (1 - share) n_micro + 1)
     # + its extra whole units
@@ -117,10 +128,10 @@ def host_memory(
         # the delayed (alpha) fp32 gradients wait in the memory of the CPU-resident delayed
         # parameters (stale until the delayed step rewrites them) and in dedicated memory
         # for the rest: alpha x n x p x (4 - db x param share) bytes of their own
-        grads = pools.grad_buffers * p * 4 + alpha * n * p * 4
+        grads = pools.grad_buffers * big * 4 + alpha * n * p * 4
         per_share["param"] -= alpha * n * p * db
     else:
-        grads = (n + (1 if grad_staging else 0)) * p * 4
+        grads = (n * p + (big if grad_staging else 0)) * 4
     resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
     fixed = tails + act_grads + grads + resident + 16 * ALIGN
     return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
@@ -159,7 +170,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
       this term is 36-324 MiB in fp32; and 8 MiB with a 16 k vocabulary;
     - the head's logits (`HEAD_FP32_BYTES_PER_LOGIT`): tokens x vocab x (dtype + 12) bytes,
       the largest single term for a GPT-2 vocabulary (0.8 GiB at 1,024 tokens in float32)."""
-    p, c, db = shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
+    p, c, db = shape.largest, shape.ckpt_elems, shape.dtype_bytes
     head = shape.tokens_per_micro * shape.vocab_size * (db + HEAD_FP32_BYTES_PER_LOGIT)
     return float(
         pools.device_param_slots * p * db

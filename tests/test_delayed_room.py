@@ -46,7 +46,7 @@ async def test_delayed_gradients_reuse_param_memory(tmp_path, param, dtype, dedi
         e = trainer.engine
         assert e is not None
         inside, dedicated = _room(e)
-        n_del = e.part_sizes[1]
+        n_del = e.layer_parts[0][1]
         total = e.N * n_del * 4
         assert inside + dedicated == total
         # a few elements of slack per layer: rounding of the head and 4-byte alignment

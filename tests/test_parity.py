@@ -8,6 +8,7 @@ import torch
 
 from snake import ModelParts, Placement
 from snake.adapters import layer_kinds, takes_layer
+from snake.engine import _split_parts
 from tests.helpers import (
     KindsLM,
     assert_close_state,
@@ -164,6 +165,31 @@ async def test_alpha_that_rounds_a_part_to_nothing(tmp_path, alpha):
     assert_close_state(got, want)
 
 
+def test_layers_of_several_kinds_delay_a_part_of_every_layer_or_of_none():
+    """Each layer delays alpha of its own elements; an alpha that rounds to nothing in a
+    small layer but not in a large one delays one element of the small one (the plans step
+    a delayed part of every layer or of none)."""
+    assert _split_parts([100, 1000], 0.3) == [(70, 30), (700, 300)]
+    assert _split_parts([100, 1000], 0.001) == [(99, 1), (999, 1)]
+    assert _split_parts([100, 1000], 0.0001) == [(100, 0), (1000, 0)]
+    assert _split_parts([100, 1000], 0.99999) == [(1, 99), (1, 999)]
+    assert _split_parts([1, 1000], 0.3) == [(1, 0), (1000, 0)]  # a one-element layer: none
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_a_delayed_share_that_rounds_to_nothing_in_the_small_kind(tmp_path, schedule):
+    model = KindsLM()
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    alpha = 0.4 / min(sizes)  # rounds to 0 in the dense layers, to 1 in the experts
+    assert round(alpha * min(sizes)) == 0 < round(alpha * max(sizes))
+    got, _, _ = await train(kinds_parts(model), data, 3, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=alpha, schedule=schedule)
+    assert_close_state(got, want)
+
+
 def _ignoring(data, seed: int = 3):
     """`data` with about a third of the targets -100, micro-batches differing in how many
     they keep, and the second micro-batch of the first global batch ignored entirely."""
@@ -308,9 +334,9 @@ async def test_private_and_tuple_attributes_are_carried_per_layer(tmp_path):
 @pytest.mark.parametrize("schedule,placement", itertools.product(["vertical", "horizontal"], ["mixed", "ssd"]))
 async def test_layers_of_several_kinds_train_as_themselves(tmp_path, schedule, placement):
     """Dense and mixture-of-experts layers in one model: each kind runs through a copy of
-    its own first block, every layer takes the largest kind's room (the smaller kinds'
-    rest zeros that never change), and the weights are plain PyTorch's for both schedules,
-    a delayed share that lies in the smaller kinds' zeros, and the tiers on SSD."""
+    its own first block, each layer's units in the tiers are its own size (the slots the
+    largest kind's), and the weights are plain PyTorch's for both schedules, a delayed
+    share of every layer, and the tiers on SSD."""
     model = KindsLM()
     assert layer_kinds(model.layers) == ([0, 1, 2, 1, 0], [0, 1, 2])
     data = batches(3, 4)
@@ -319,11 +345,13 @@ async def test_layers_of_several_kinds_train_as_themselves(tmp_path, schedule, p
                                        placement=PLACEMENTS[placement], alpha=0.3, schedule=schedule)
     assert_close_state(got, want)
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
-    # every layer moves the largest kind's room (5 layers of the experts' size), twice an
+    # every layer moves its own parameters (not the largest kind's room), twice an
     # iteration (vertical) or twice per micro-batch (horizontal)
-    largest = sum(p.numel() for p in model.layers[1].parameters())
+    own = sum(p.numel() for p in model.parameters() if p is not model.embed.weight) - sum(
+        p.numel() for p in model.head.parameters())
     loads = 2 if schedule == "vertical" else 2 * 2
-    assert traffic[("cpu", "gpu", "param")] == loads * 5 * largest * 4
+    assert traffic[("cpu", "gpu", "param")] == loads * own * 4
+    assert traffic[("gpu", "cpu", "grad")] == (1 if schedule == "vertical" else 2) * own * 4
 
 
 class _BufferedLM(_StridedLM):

@@ -90,18 +90,18 @@ class HostToDevice(Actor):
         store = e.stores["param"]
         view = self._cpu_view(layer)
         if view is not None:
-            for part, n in enumerate(e.part_sizes):
+            for part, n in enumerate(e.layer_parts[layer]):
                 if n:
                     await e.ledger.wait_for(("param", layer, part), op.t)
-            await e.link_wait("cpu->gpu", e.P * store.esize)
-            e.traffic.add(op.t, "cpu", "gpu", "param", e.P * store.esize)
+            await e.link_wait("cpu->gpu", e.layer_P[layer] * store.esize)
+            e.traffic.add(op.t, "cpu", "gpu", "param", e.layer_P[layer] * store.esize)
             await self.compute.put(ParamsOnDevice(op.t, op.g, layer, view, pooled=False))
             return
         slot = await e.param_slots.acquire()
         try:
             pairs, tails = [], []
             off = 0
-            for part, n in enumerate(e.part_sizes):
+            for part, n in enumerate(e.layer_parts[layer]):
                 if not n:
                     continue
                 u = store.unit((layer, part))
@@ -112,7 +112,7 @@ class HostToDevice(Actor):
                     tails.append(msg)
                     pairs.append((slot[off + u.k : off + n], store.tail(u, msg.buf)[0]))
                 off += n
-            nbytes = e.P * store.esize
+            nbytes = e.layer_P[layer] * store.esize
             try:
                 await e.link_wait("cpu->gpu", nbytes)
                 await self.work(e.executors["h2d"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
@@ -134,10 +134,10 @@ class HostToDevice(Actor):
         if e.device.type != "cpu":
             return None
         store = e.stores["param"]
-        units = [store.unit((layer, p)) for p, n in enumerate(e.part_sizes) if n]
+        units = [store.unit((layer, p)) for p, n in enumerate(e.layer_parts[layer]) if n]
         if any(u.tail_n for u in units):
             return None
-        return self._alias("param", layer, store.cpu, units[0].head_offset, (e.P,))
+        return self._alias("param", layer, store.cpu, units[0].head_offset, (e.layer_P[layer],))
 
     async def _activation(self, op: H2DOp) -> None:
         e, ld = self.e, op.load
@@ -239,7 +239,8 @@ class DeviceToHost(Actor):
     async def _grads(self, msg: GradsProduced) -> None:
         e = self.e
         self.at(msg.t, msg.layer, msg.micro_batch if msg.micro_batch >= 0 else None)
-        nbytes = e.P * 4
+        n = e.layer_P[msg.layer]  # the layer's part of the slot (a smaller kind's is shorter)
+        nbytes = n * 4
         label = f"grads L{msg.layer}" + (f" mb{msg.micro_batch}" if msg.micro_batch >= 0 else "")
         dest = self.optimizers[msg.layer % len(self.optimizers)]
         if e.slot_grads():  # vertical, CPU device: the optimizer steps from the slot itself
@@ -255,7 +256,8 @@ class DeviceToHost(Actor):
             host = await e.grad_host.acquire()
             try:
                 await e.link_wait("gpu->cpu", nbytes)
-                await self.work(e.executors["copy"], label, self.copier.copy, [(host, msg.buf)], link="gpu->cpu", bytes=nbytes)
+                await self.work(e.executors["copy"], label, self.copier.copy, [(host[:n], msg.buf[:n])], link="gpu->cpu",
+                                bytes=nbytes)
             except BaseException:
                 e.grad_host.release(host)
                 raise
@@ -264,17 +266,17 @@ class DeviceToHost(Actor):
             e.traffic.add(msg.t, "gpu", "cpu", "grad", nbytes)
             await dest.put(GradsOnHost(msg.t, msg.layer, host))
             return
-        acc = e.accumulators[msg.layer]
-
-        staging = e.grad_staging  # one buffer: the copy executor has one thread
+        acc = e.accumulators[msg.layer][:n]
+        grad = msg.buf[:n]
+        staging = e.grad_staging[:n] if e.grad_staging is not None else None  # one: the copy executor has one thread
 
         def accumulate() -> None:
             if msg.first:
-                self.copier.copy([(acc, msg.buf)])
+                self.copier.copy([(acc, grad)])
             elif staging is None:  # CPU device: the gradient is in host memory already
-                acc.add_(msg.buf)
+                acc.add_(grad)
             else:
-                self.copier.copy([(staging, msg.buf)])
+                self.copier.copy([(staging, grad)])
                 acc.add_(staging)
 
         try:

@@ -27,7 +27,7 @@ from snake.channels import Mailbox, StageClock
 from snake.engine import Engine
 from snake.messages import GradsOnHost, Stop, WriteTail
 from snake.optim import adamw_step
-from snake.plans import NOW, StepOp
+from snake.plans import StepOp
 from snake.stores import Unit, scatter
 
 
@@ -60,7 +60,8 @@ class OptimizerWorker(Actor):
 
     async def step(self, op: StepOp) -> None:
         e = self.e
-        n_now = e.part_sizes[NOW]
+        n_now, n_del = e.layer_parts[op.layer]
+        n = n_now + n_del
         host: torch.Tensor | None = None
         grads: torch.Tensor | list[torch.Tensor]
         if op.kind == "now":
@@ -71,7 +72,7 @@ class OptimizerWorker(Actor):
         else:
             await self.clock.wait_for(op.key)  # type: ignore[arg-type]
             full = None
-            grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:]
+            grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
         ostore, pstore = e.stores["opt"], e.stores["param"]
         ou = ostore.unit((op.layer, op.part))
         pu = pstore.unit((op.layer, op.part))
@@ -83,9 +84,9 @@ class OptimizerWorker(Actor):
 
         def work() -> None:
             step_unit(e, grads, ou, otail, pu, ptail, op.step)
-            if full is not None and e.vertical and e.part_sizes[1]:
+            if full is not None and e.vertical and n_del:
                 # into the layer's delayed parameter share (stale now) and its spare room
-                scatter([full[n_now:]], e.delayed_grads[op.layer])
+                scatter([full[n_now:n]], e.delayed_grads[op.layer])
 
         try:
             await self.work(e.executors["optimizer"], f"adamw L{op.layer} {op.kind}", work)
@@ -155,9 +156,9 @@ def flush_delayed(e: Engine) -> None:
     e.flush_partial = False  # no layer changed yet: a failure here can be retried
     obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
     pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
-    n_now = e.part_sizes[NOW]
     for layer in range(e.N):
-        grads = e.delayed_grads[layer] if e.vertical else e.accumulators[layer][n_now:]
+        n_now, n_del = e.layer_parts[layer]
+        grads = e.delayed_grads[layer] if e.vertical else e.accumulators[layer][n_now : n_now + n_del]
         ou, pu = ostore.unit((layer, 1)), pstore.unit((layer, 1))
         if ou.tail_n:
             ostore.read_tail(ou, obuf)

@@ -88,3 +88,38 @@ async def test_trainer_plans_a_hugging_face_model_under_its_budget(tmp_path):
     assert placed is not None and placed.opt < 1.0  # the budget binds: some optimizer state on SSD
     assert_close_state(got, want)
     assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], model.state_dict()["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.asyncio
+async def test_trainer_plans_a_model_of_two_kinds_under_its_budget(tmp_path):
+    """DeepSeek V3's dense first layer and its expert layers: the shape counts the layers'
+    mean (what they store and move in all) and the largest (what the staging buffers are
+    sized for), the probe times both kinds, and the planned run under a budget that binds
+    trains to plain PyTorch's weights."""
+    from planner.profile import shape_of_parts
+    from tests.test_hf import assert_matches
+
+    model = make("deepseekv3", num_hidden_layers=8)
+    parts = describe(model)
+    sizes = [sum(x.numel() for x in layer.parameters()) for layer in model.model.layers]
+    assert sizes[0] < sizes[1] == max(sizes)
+    shape = shape_of_parts(parts, 2, 16, "float32")
+    assert shape.layer_params == -(-sum(sizes) // 8) and shape.largest == sizes[1]
+    mem = host_memory(shape, n_micro=2, alpha=0.0, schedule="vertical", workers=2)
+    p = measure_profile(parts, micro_batch_size=2, seq_len=16, offload_dir=tmp_path / "off", io_bytes=16 << 20,
+                        seconds_per_probe=0.05)
+    assert p.shape == shape
+    budget = int(mem.at(1.0, 1.0, 0.5) + off_budget(p, 2))
+    cfg = SnakeConfig(micro_batches=2, placement=None, alpha=None, device="cpu", offload_dir=tmp_path / "off",
+                      cpu_memory_bytes=budget)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(model, data, 2)
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(3), timeout=120)
+        got = await trainer.state_dict()
+        placed = trainer.config.placement
+        # each layer's units are its own size: the dense layer's optimizer state is smaller
+        opt = trainer.engine.stores["opt"]
+        assert sum(opt.unit((0, q)).n for q in (0, 1) if (0, q) in opt.units) == sizes[0]
+    assert placed is not None and placed.opt < 1.0
+    assert_matches(got, want)
