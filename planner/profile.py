@@ -136,6 +136,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         n_layers=len(parts.blocks),
         layer_params=-(-sum(sizes) // len(sizes)),  # layers of several kinds: their mean
         largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
+        frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad),
         ckpt_elems=tokens * hidden_size(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
         tokens_per_micro=tokens,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,7 +140,6 @@ def check_parts(parts: ModelParts) -> None:
                 "set blocks_prefix so that blocks are model.<prefix>.<i>"
             )
     _check_devices(parts.model)
-    _check_trainable(parts.model)
     _check_ties(parts)
     _check_block_buffers(blocks)
 
@@ -152,10 +151,11 @@ def check_blocks(blocks: list[nn.Module]) -> None:
     if not blocks:
         raise ModelError("model: no blocks found; a model needs at least one block to stream")
     for i, b in enumerate(blocks):
-        if not param_signature(b):
+        if not any(p.requires_grad for p in b.parameters()):
             raise ModelError(
-                f"model: block {i} ({type(b).__name__}) has no parameters; snake streams each "
-                "block's parameters: describe a layer without any as part of pre or post"
+                f"model: block {i} ({type(b).__name__}) has no parameters to train; snake streams "
+                "each block's trained parameters: describe a layer without any (or a frozen one) "
+                "as part of pre or post"
             )
 
 
@@ -195,18 +195,6 @@ def _check_devices(model: nn.Module) -> None:
             f"model: parameters are on several devices ({where}); move the whole model to one "
             "device first, e.g. model.to('cpu'): snake places the weights itself"
         )
-
-
-def _check_trainable(model: nn.Module) -> None:
-    """snake's optimizer steps every parameter: a frozen one would change silently."""
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            raise ModelError(
-                f"model: parameter {name!r} has requires_grad=False, but snake trains every "
-                "parameter of the model it is given (AdamW would change it): set "
-                "requires_grad=True, or leave the frozen parts out of the model given to snake "
-                "(e.g. pass snake.ModelParts over a module that holds only the trained part)"
-            )
 
 
 def _check_ties(parts: ModelParts) -> None:
@@ -254,16 +242,17 @@ def _check_block_buffers(blocks: list[nn.Module]) -> None:
             )
 
 
-def param_signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """A block's parameter names and shapes."""
-    return tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+def param_signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    """A block's parameter names, shapes and whether each is trained."""
+    return tuple((n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters())
 
 
 def layer_specs(parts: ModelParts) -> list[list[tuple[str, torch.Size]]]:
-    """Each layer's parameters (names and shapes, in `named_parameters` order: the order
-    of its elements in a layer's flat state); layers of one kind share one list."""
+    """Each layer's trained parameters (names and shapes, in `named_parameters` order: the
+    order of its elements in a layer's flat state; frozen ones, requires_grad=False, stay
+    as they are and are not part of it); layers of one kind share one list."""
     kinds, firsts = layer_kinds(parts.blocks)
-    per_kind = [[(n, p.shape) for n, p in parts.blocks[f].named_parameters()] for f in firsts]
+    per_kind = [[(n, p.shape) for n, p in parts.blocks[f].named_parameters() if p.requires_grad] for f in firsts]
     return [per_kind[k] for k in kinds]
 
 
@@ -272,10 +261,17 @@ def layer_numels(parts: ModelParts) -> list[int]:
     return [sum(s.numel() for _, s in spec) for spec in layer_specs(parts)]
 
 
-def resident_named_params(parts: ModelParts) -> list[tuple[str, nn.Parameter]]:
-    """Parameters outside the blocks (deduplicated: tied weights appear once)."""
+def resident_named_params(parts: ModelParts, *, trained: bool = True) -> list[tuple[str, nn.Parameter]]:
+    """Parameters outside the blocks (deduplicated: tied weights appear once) that are
+    trained (requires_grad), or with trained=False the frozen ones."""
     prefix = parts.blocks_prefix + "."
-    return [(n, p) for n, p in parts.model.named_parameters() if not n.startswith(prefix)]
+    return [(n, p) for n, p in parts.model.named_parameters()
+            if not n.startswith(prefix) and p.requires_grad == trained]
+
+
+def trained(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters snake trains (requires_grad), in order: a layer's flat state."""
+    return [p for p in params if p.requires_grad]
 
 
 def hidden_size(parts: ModelParts) -> int:

@@ -9,7 +9,9 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
   layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
                            named as in `model.state_dict()`
-  resident.safetensors     the same for the resident (pre/post) parameters (tied weights once)
+  resident.safetensors     the same for the resident (pre/post) parameters (tied weights once),
+                           and `frozen/<name>` for every frozen parameter (requires_grad=False:
+                           never stepped; a load checks the model's against their digests)
   rng.safetensors          torch's global RNG state(s) as uint8 tensors
 
 Every parameter has had exactly `step` AdamW steps: delayed optimizer work (alpha > 0) is
@@ -49,7 +51,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as st_save_file
 
-from snake.adapters import ModelParts, layer_kinds, layer_specs, resident_named_params
+from snake.adapters import ModelParts, layer_kinds, layer_specs, resident_named_params, trained
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
@@ -241,7 +243,22 @@ def model_spec(parts: ModelParts) -> dict[str, Any]:
         "block_params": [[n, list(s)] for n, s in layer_specs(parts)[0]],
         **_kinds_spec(parts),
         "resident_params": [[n, list(p.shape)] for n, p in resident_named_params(parts)],
+        **_frozen_spec(parts),
     }
+
+
+def _frozen_spec(parts: ModelParts) -> dict[str, Any]:
+    """The frozen parameters' digests (sha256 of their bytes): they are not stored (they do
+    not change), so a load checks that the model it is given holds the same."""
+    frozen = {n: p for n, p in parts.model.named_parameters() if not p.requires_grad}
+    if not frozen:
+        return {}
+    return {"frozen_params": {n: hashlib.sha256(_tensor_bytes(p)).hexdigest() for n, p in sorted(frozen.items())}}
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def _kinds_spec(parts: ModelParts) -> dict[str, Any]:
@@ -325,6 +342,18 @@ def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: Model
     want, have = manifest["model"], model_spec(parts)
     if have["n_layer"] != want["n_layer"]:
         raise ConfigError("model.n_layer", have["n_layer"], f"does not match the checkpoint's {want['n_layer']}", FIX)
+    mine_frozen, theirs_frozen = have.get("frozen_params", {}), want.get("frozen_params", {})
+    for n in sorted(mine_frozen.keys() | theirs_frozen.keys()):
+        if n not in theirs_frozen:
+            raise ConfigError(f"model.{n}", None, "is frozen (requires_grad=False) but trained in the checkpoint", FIX)
+        if n not in mine_frozen:
+            raise ConfigError(f"model.{n}", None, "is trained but frozen in the checkpoint", FIX)
+        if mine_frozen[n] != theirs_frozen[n]:
+            raise ConfigError(
+                f"model.{n}", None,
+                "is frozen and differs from the frozen values the checkpoint was trained with (frozen "
+                "parameters are not stored: they come from the model)", FIX,
+            )
     groups = [(_layer_spec(have, i), _layer_spec(want, i), f"{parts.blocks_prefix}.{i}.") for i in range(have["n_layer"])]
     if "layer_kinds" not in have and "layer_kinds" not in want:  # one kind: one message for all
         groups = groups[:1]
@@ -511,7 +540,7 @@ def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Call
 
 def _model_layer(parts: ModelParts) -> Callable[[int], torch.Tensor]:
     def read(layer: int) -> torch.Tensor:
-        params = list(parts.blocks[layer].parameters())
+        params = trained(parts.blocks[layer].parameters())
         out = torch.zeros(3, sum(p.numel() for p in params), dtype=torch.float32)
         torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
         return out
@@ -544,6 +573,11 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
             comps = (master, torch.zeros_like(master), torch.zeros_like(master))
         for comp, t in zip(COMPS, comps, strict=True):
             out[f"{comp}/{name}"] = t.view(p.shape)  # each its own tensor: no copy needed
+    # frozen parameters, as they are (a load checks the model's against their digests;
+    # `snake export` takes them from here)
+    for name, p in parts.model.named_parameters():
+        if not p.requires_grad:
+            out[f"frozen/{name}"] = p.detach().to("cpu").contiguous()
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from snake.adapters import ModelParts
+from snake.adapters import ModelParts, trained
 from snake.blocking import name_native_thread
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
@@ -342,7 +342,7 @@ class Engine:
         parts = self.kernels.parts
         scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
         for layer, block in enumerate(parts.blocks):
-            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in block.parameters()])
+            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in trained(block.parameters())])
             off = 0
             for part, n in enumerate(self.layer_parts[layer]):
                 if not n:

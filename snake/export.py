@@ -17,7 +17,8 @@ _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "m
 
 
 def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(manifest, fp32 master weights by parameter name) of a snake checkpoint."""
+    """(manifest, fp32 master weights by parameter name, and the frozen parameters as they
+    are) of a snake checkpoint."""
     from snake.checkpoint import read_manifest
 
     d = Path(directory)
@@ -27,8 +28,9 @@ def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch
         if name.endswith(".safetensors") and name != "rng.safetensors":
             with safe_open(str(d / name), framework="pt") as f:  # the masters only: not m and v
                 for key in f.keys():
-                    if key.startswith("master/"):
-                        masters[key[len("master/") :]] = f.get_tensor(key)
+                    for prefix in ("master/", "frozen/"):
+                        if key.startswith(prefix):
+                            masters[key[len(prefix) :]] = f.get_tensor(key)
     return manifest, masters
 
 

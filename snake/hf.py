@@ -46,8 +46,7 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 # layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`; what a layer
 # reads from its own attributes, snake's kernels set per layer); each is trained against
 # plain PyTorch in tests/test_hf.py. Not here: hybrids of attention and recurrent layers,
-# sparse attention with an indexer (DeepSeek V3.2), parameters a model keeps frozen (Ernie
-# 4.5 MoE's routing statistics)
+# sparse attention with an indexer (DeepSeek V3.2)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -61,6 +60,8 @@ _LLAMA_FAMILY = (
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
     "Dots1ForCausalLM", "Mistral4ForCausalLM", "Llama4ForCausalLM", "GptOssForCausalLM", "Ernie4_5ForCausalLM",
     "Cohere2MoeForCausalLM", "ExaoneMoeForCausalLM", "HunYuanMoEV1ForCausalLM",
+    # routing statistics kept as frozen parameters (requires_grad=False: left as they are)
+    "Ernie4_5_MoeForCausalLM", "AfmoeForCausalLM",
 )
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)

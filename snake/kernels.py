@@ -77,11 +77,14 @@ class Kernels:
         # the layers of the kind differ (`_layer_attrs`, `_layer_buffers`)
         self.layer_attrs: list[list[tuple[nn.Module, str, object]]] = [[] for _ in blocks]
         self.layer_buffers: list[list[tuple[nn.Module, str, torch.Tensor]]] = [[] for _ in blocks]
+        # per layer, its frozen parameters (requires_grad=False: on the device all run long,
+        # never stepped) at their places in its kind's shell
+        self.layer_frozen: list[list[tuple[list[tuple[nn.Module, str]], torch.Tensor]]] = [[] for _ in blocks]
         for kind, first in enumerate(firsts):
             shell = _shell(blocks[first]).to(device=device, dtype=self.dtype)
             shell.train()
             self.calls.append(_BlockCall(shell, parts.block_fn))
-            spec = list(blocks[first].named_parameters())
+            spec = [(n, p) for n, p in blocks[first].named_parameters() if p.requires_grad]
             self.kind_sites.append(_param_sites(shell, [n for n, _ in spec]))
             self.kind_shapes.append([p.shape for _, p in spec])
             self.kind_numels.append([p.numel() for _, p in spec])
@@ -90,6 +93,16 @@ class Kernels:
                 self.layer_attrs[i] = attrs
             for i, bufs in zip(mine, _layer_buffers(shell, [blocks[i] for i in mine], device), strict=True):
                 self.layer_buffers[i] = bufs
+            frozen = [n for n, p in blocks[first].named_parameters() if not p.requires_grad]
+            if frozen:
+                sites = _param_sites(shell, frozen)
+                placeholders = dict(shell.named_parameters())
+                for i in mine:
+                    own = dict(blocks[i].named_parameters())
+                    self.layer_frozen[i] = [
+                        (where, own[n].detach().to(device=device, dtype=placeholders[n].dtype).clone())
+                        for n, where in zip(frozen, sites, strict=True)
+                    ]
         self.kind_params = [sum(n) for n in self.kind_numels]
         # the largest layer's elements: the size of the device slots every layer passes
         # through (a smaller kind's parameters and gradients take the slot's first elements)
@@ -118,6 +131,11 @@ class Kernels:
             for n, b in model.named_buffers()
             if not n.startswith(prefix)
         }
+        # frozen pre/post parameters (requires_grad=False): as they are, in compute dtype
+        self.res_buffers.update({
+            "model." + n: p.detach().to(device=device, dtype=self.dtype if p.is_floating_point() else p.dtype).clone()
+            for n, p in resident_named_params(parts, trained=False)
+        })
 
     def restore_modes(self) -> None:
         """Put the user's model back in the train/eval modes it had when the engine was built."""
@@ -157,6 +175,9 @@ class Kernels:
                 module._parameters[attr] = tensor  # type: ignore[assignment]
         for module, attr, buf in self.layer_buffers[layer]:
             module._buffers[attr] = buf
+        for where, frozen in self.layer_frozen[layer]:
+            for module, attr in where:
+                module._parameters[attr] = frozen  # type: ignore[assignment]
         for module, attr, value in self.layer_attrs[layer]:
             if value is _ABSENT:
                 module.__dict__.pop(attr, None)
@@ -260,6 +281,8 @@ class Kernels:
     def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
         with torch.enable_grad(), self.rng(t, -1, m):
             h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
+            if not h.requires_grad:  # pre trains no parameter (a frozen embedding)
+                return
             grads = torch.autograd.grad(h.to(self.dtype), self.res_dev, grad_outputs=gh, allow_unused=True)
         self._accumulate(self.res_grad, grads)
 

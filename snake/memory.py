@@ -30,7 +30,8 @@ class ModelShape:
     ckpt_elems: elements of one block's input for one micro-batch (batch x seq x hidden).
     resident_params: pre/post elements (embeddings, head). tokens_per_micro: target tokens
     of one micro-batch. vocab_size: logits per token of the head (0: a model without
-    one)."""
+    one). frozen_params: elements of the frozen parameters (requires_grad=False), held on
+    the compute device all run long."""
 
     n_layers: int
     layer_params: int
@@ -40,6 +41,7 @@ class ModelShape:
     dtype_bytes: int
     vocab_size: int
     largest_layer_params: int | None = None
+    frozen_params: int = 0
 
     @property
     def largest(self) -> int:
@@ -159,7 +161,7 @@ HEAD_FP32_BYTES_PER_LOGIT = 12
 
 def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSizes()) -> float:
     """Device bytes: parameter slots, one fp32 gradient accumulator, resident pre/post with
-    fp32 gradients, and the working set of one micro-batch's compute:
+    fp32 gradients, the frozen parameters, and the working set of one micro-batch's compute:
     - a few micro-batches' block inputs and the block's internals (~ 16 x the block input
       for a GPT block during recompute + backward);
     - the parameter gradients as autograd returns them (a layer's, and pre/post's: the
@@ -176,6 +178,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
         pools.device_param_slots * p * db
         + 2 * p * 4
         + shape.resident_params * (db + 4)
+        + shape.frozen_params * db
         + (n_micro + 4) * c * db
         + 16 * c * 4
         + 3 * (p + shape.resident_params) * db

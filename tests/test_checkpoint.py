@@ -590,3 +590,50 @@ async def test_layers_of_several_kinds_resume_exactly_and_are_checked_per_layer(
             assert err.value.field.startswith("model.layers.2.")
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_frozen_parameters_resume_exactly_and_must_match(tmp_path):
+    """Frozen parameters are not stored (they do not change): the manifest keeps their
+    digests, a resume with the same frozen values is bitwise the uninterrupted run, and a
+    model whose frozen values differ (or that freezes others) is refused naming one."""
+
+    def frozen_model(seed: int):
+        m = model(seed=seed)
+        torch.manual_seed(77)  # the frozen values: the same whatever the seed of the rest
+        with torch.no_grad():
+            m.wpe.weight.normal_()
+            m.blocks[1].attn.c_proj.weight.normal_()
+        m.wpe.weight.requires_grad_(False)
+        m.blocks[1].attn.c_proj.weight.requires_grad_(False)
+        return m
+
+    async def body():
+        data = batches(4, 4)
+        async with SnakeTrainer(frozen_model(0), data=data, config=config(tmp_path, "straight")) as t:
+            await t.run(4)
+            want = await t.state_dict()
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(frozen_model(0), data=data, config=config(tmp_path, "first")) as t:
+            await t.run(2)
+            await t.save(where)
+        async with SnakeTrainer(frozen_model(123), data=data, config=config(tmp_path, "second")) as t:
+            await t.load(where)
+            await t.run(2)
+            assert_equal_state(await t.state_dict(), want)
+        manifest = json.loads((where / "manifest.json").read_text())
+        assert sorted(manifest["model"]["frozen_params"]) == ["blocks.1.attn.c_proj.weight", "wpe.weight"]
+        other = frozen_model(0)
+        with torch.no_grad():
+            other.wpe.weight.add_(1.0)
+        async with SnakeTrainer(other, data=data, config=config(tmp_path, "third")) as t:
+            with pytest.raises(ConfigError, match="frozen and differs") as err:
+                await t.load(where)
+            assert err.value.field == "model.wpe.weight"
+        unfrozen = frozen_model(0)
+        unfrozen.wpe.weight.requires_grad_(True)
+        async with SnakeTrainer(unfrozen, data=data, config=config(tmp_path, "fourth")) as t:
+            with pytest.raises(ConfigError, match="trained but frozen in the checkpoint"):
+                await t.load(where)
+
+    await asyncio.wait_for(body(), TIMEOUT)

@@ -21,9 +21,16 @@ async def _train_and_save(model, tmp_path, data):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("bias", [True, False])
-async def test_builtin_gpt_exports_as_gpt2(tmp_path, bias):
+@pytest.mark.parametrize("bias,frozen", [(True, False), (False, False), (False, True)],
+                         ids=["bias", "no-bias", "frozen-positions"])
+async def test_builtin_gpt_exports_as_gpt2(tmp_path, bias, frozen):
+    """frozen-positions: a frozen position table (not stepped, so not among the masters)
+    comes from the checkpoint's frozen tensors."""
     model = tiny_gpt(n_layer=2, bias=bias)
+    if frozen:
+        with torch.no_grad():
+            model.wpe.weight.mul_(3.0)
+        model.wpe.weight.requires_grad_(False)
     data = batches(3, 4)
     state = await _train_and_save(model, tmp_path, data)
     assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
@@ -41,11 +48,18 @@ async def test_builtin_gpt_exports_as_gpt2(tmp_path, bias):
 
 
 @pytest.mark.asyncio
-async def test_llama_exports(tmp_path):
+@pytest.mark.parametrize("frozen", [False, True], ids=["llama", "llama-frozen-norm-and-embedding"])
+async def test_llama_exports(tmp_path, frozen):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     torch.manual_seed(0)
     model = load_hf(cfg)
+    if frozen:  # values a fresh model of the config would not have
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(2.0)
+            model.model.layers[1].input_layernorm.weight.fill_(0.5)
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.model.layers[1].input_layernorm.weight.requires_grad_(False)
     data = batches(3, 4)
     state = await _train_and_save(model, tmp_path, data)
     assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0

@@ -392,3 +392,24 @@ async def test_layers_whose_buffers_differ_train_as_themselves(tmp_path, schedul
     got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, schedule=schedule)
     assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_frozen_parameters_stay_as_they_are(tmp_path, schedule):
+    """Parameters with requires_grad=False (a frozen position table outside the blocks, a
+    frozen projection in one block: that block a kind of its own) stay as they are, as
+    torch.optim.AdamW leaves a parameter without a gradient; everything else trains to
+    plain PyTorch's weights. Refused before (snake stepped every parameter)."""
+    model = tiny_gpt(n_layer=3, n_embd=32, bias=False)
+    model.wpe.weight.requires_grad_(False)
+    model.blocks[1].attn.c_proj.weight.requires_grad_(False)
+    assert layer_kinds(model.blocks)[0] == [0, 1, 0]
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    got, _, _ = await train(model, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, schedule=schedule)
+    assert_close_state(got, want)
+    for key in ("wpe.weight", "blocks.1.attn.c_proj.weight"):
+        assert torch.equal(got[key], model.state_dict()[key])
+    assert not torch.equal(got["blocks.0.attn.c_proj.weight"], model.state_dict()["blocks.0.attn.c_proj.weight"])
