@@ -317,6 +317,7 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
     n_layer = manifest["model"].get("n_layer")
     if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer < 1:
         raise damaged("model.n_layer", n_layer, "must be an integer >= 1")
+    _check_model_record(manifest["model"], n_layer, damaged)
     files: dict[str, Any] = manifest["files"]
     for name, info in files.items():
         if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
@@ -335,6 +336,36 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
         if digest != info["sha256"]:
             raise SnakeError(f"{what}: {f} does not match its sha256 in the manifest: it is damaged")
     return manifest
+
+
+def _check_model_record(model: dict[str, Any], n_layer: int, damaged: Callable[[str, object, str], SnakeError]) -> None:
+    """The parameter lists, layer kinds and frozen digests a manifest's model record holds
+    have their types and ranges (`check_compatible` indexes them)."""
+
+    def spec_list(field: str, value: object) -> None:
+        ok = isinstance(value, list) and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+            and isinstance(e[1], list) and all(isinstance(d, int) and not isinstance(d, bool) for d in e[1])
+            for e in value
+        )
+        if not ok:
+            raise damaged(field, value, "must be a list of [name, shape] pairs")
+
+    for key in ("block_params", "resident_params"):
+        spec_list(f"model.{key}", model.get(key))
+    if "layer_kinds" in model or "kind_params" in model:
+        specs = model.get("kind_params")
+        if not isinstance(specs, list) or not specs:
+            raise damaged("model.kind_params", specs, "must be a non-empty list of parameter lists")
+        for k, spec in enumerate(specs):
+            spec_list(f"model.kind_params[{k}]", spec)
+        kinds = model.get("layer_kinds")
+        if not (isinstance(kinds, list) and len(kinds) == n_layer and all(
+                isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(specs) for k in kinds)):
+            raise damaged("model.layer_kinds", kinds, f"must list {n_layer} kinds in [0, {len(specs)})")
+    frozen = model.get("frozen_params", {})
+    if not (isinstance(frozen, dict) and all(isinstance(v, str) for v in frozen.values())):
+        raise damaged("model.frozen_params", frozen, "must map names to sha256 digests")
 
 
 def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: ModelParts) -> None:

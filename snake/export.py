@@ -68,7 +68,7 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Blocking: write `checkpoint`'s weights as a `from_pretrained` directory in `out`."""
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
 
-    from snake.hf import export_hf
+    from snake.hf import causal_lm_class, export_hf
 
     manifest, masters = read_masters(checkpoint)
     config = manifest.get("model_config")
@@ -84,7 +84,8 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
         return export_hf(sd, model, out)
     model_type = config.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **config)
-    model = AutoModelForCausalLM.from_config(hf_config)
+    cls = causal_lm_class(hf_config)
+    model = cls.from_config(hf_config) if cls is AutoModelForCausalLM else cls._from_config(hf_config)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)

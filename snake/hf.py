@@ -406,11 +406,33 @@ def load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
     return _load_hf(path_or_config, **kwargs)
 
 
+def causal_lm_class(config: Any) -> Any:
+    """The causal LM class for a transformers config: AutoModelForCausalLM's, or for a
+    family transformers does not register there (Mistral 4) the class of snake's families
+    its config names (`architectures`, or the config class's stem + "ForCausalLM")."""
+    import transformers
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    stem = type(config).__name__.removesuffix("Config")
+    for name in [*(getattr(config, "architectures", None) or []), f"{stem}ForCausalLM"]:
+        if name in _LLAMA_FAMILY and hasattr(transformers, name):
+            return getattr(transformers, name)
+    raise ModelError(
+        f"load_hf: transformers has no causal LM for {type(config).__name__} (model_type "
+        f"{getattr(config, 'model_type', None)!r}); snake recognises {supported()}"
+    )
+
+
 def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM, PretrainedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     if isinstance(path_or_config, PretrainedConfig):
-        return AutoModelForCausalLM.from_config(path_or_config, **kwargs)
+        cls = causal_lm_class(path_or_config)
+        if cls is AutoModelForCausalLM:
+            return AutoModelForCausalLM.from_config(path_or_config, **kwargs)
+        return cls._from_config(path_or_config, **kwargs)
     if isinstance(path_or_config, str | os.PathLike):
         path = Path(path_or_config)
         if not path.is_dir():
@@ -427,7 +449,9 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
                 f"with fresh weights from that config pass the config: "
                 f"load_hf(transformers.AutoConfig.from_pretrained({str(files)!r}))"
             )
-        return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=kwargs["local_files_only"],
+                                            subfolder=kwargs.get("subfolder", ""))
+        return causal_lm_class(config).from_pretrained(str(path), **kwargs)
     raise ModelError(
         f"load_hf: expected a transformers PretrainedConfig or a directory path, got "
         f"{type(path_or_config).__name__}"

@@ -363,15 +363,19 @@ def _layer_buffers(
     where every layer has the same values (a rotary table, a causal mask)."""
     named = [dict(b.named_buffers()) for b in blocks]
     differ = [n for n, x in named[0].items() if any(not torch.equal(x, other[n]) for other in named[1:])]
+    # every name of each buffer in the first block (one registered under two names, an
+    # alias, is set at both: the shell's dtype conversion made two tensors of it)
+    aliases: dict[int, list[str]] = {}
+    for name, buf in blocks[0].named_buffers(remove_duplicate=False):
+        aliases.setdefault(id(buf), []).append(name)
     modules = dict(shell.named_modules())
+    own = dict(shell.named_buffers(remove_duplicate=False))
     out: list[list[tuple[nn.Module, str, torch.Tensor]]] = [[] for _ in blocks]
     for name in differ:
-        owner, _, attr = name.rpartition(".")
-        module = modules[owner]
-        like = module._buffers[attr]
-        assert like is not None
+        sites = [(modules[n.rpartition(".")[0]], n.rpartition(".")[2]) for n in aliases[id(named[0][name])]]
         for i, bufs in enumerate(named):
-            out[i].append((module, attr, bufs[name].to(device=device, dtype=like.dtype).clone()))
+            value = bufs[name].to(device=device, dtype=own[name].dtype).clone()
+            out[i].extend((module, attr, value) for module, attr in sites)
     return out
 
 

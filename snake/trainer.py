@@ -155,11 +155,17 @@ class SnakeTrainer:
         for name, p in model.named_parameters(remove_duplicate=False):
             alias[name] = canonical.setdefault(id(p), name)
         offsets = []  # per layer: name -> (first element in the layer's flat state, shape)
-        for spec in layer_specs(self.parts):
+        for block, spec in zip(self.parts.blocks, layer_specs(self.parts), strict=True):
             here, off = {}, 0
             for name, shape in spec:
                 here[name] = (off, shape)
                 off += shape.numel()
+            # a weight tied inside the block: every name it has reads the one state
+            first: dict[int, str] = {}
+            for name, p in block.named_parameters(remove_duplicate=False):
+                canonical = first.setdefault(id(p), name)
+                if canonical in here:
+                    here[name] = here[canonical]
             offsets.append(here)
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}

@@ -637,3 +637,37 @@ async def test_frozen_parameters_resume_exactly_and_must_match(tmp_path):
                 await t.load(where)
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "damage,says",
+    [
+        (lambda m: m.update(layer_kinds=[0, 1]), r"model\.layer_kinds=\[0, 1\], which must list 5 kinds in \[0, 3\)"),
+        (lambda m: m.update(layer_kinds=[0, 1, 7, 1, 0]), r"model\.layer_kinds=\[0, 1, 7, 1, 0\]"),
+        (lambda m: m.update(kind_params=5), r"model\.kind_params=5, which must be a non-empty list"),
+        (lambda m: m.pop("kind_params"), r"model\.kind_params=None"),
+        (lambda m: m.update(frozen_params=["x"]), r"model\.frozen_params=\['x'\], which must map names"),
+        (lambda m: m.update(block_params=[["w", "big"]]), r"model\.block_params=.*list of \[name, shape\] pairs"),
+    ],
+    ids=["kinds-short", "kind-out-of-range", "kind-params-not-a-list", "kind-params-missing", "frozen-not-a-map",
+         "shape-not-a-list"],
+)
+async def test_damaged_layer_kinds_in_a_manifest_are_refused(tmp_path, damage, says):
+    """An audit's find: a damaged kinds record gave raw IndexError / TypeError / KeyError."""
+    where = tmp_path / "ckpt"
+
+    async def body():
+        async with SnakeTrainer(kinds_parts(KindsLM()), data=batches(2, 4), config=config(tmp_path, "a")) as t:
+            await t.run(1)
+            await t.save(where)
+        path = where / ckpt.MANIFEST
+        manifest = json.loads(path.read_text())
+        damage(manifest["model"])
+        path.write_text(json.dumps(manifest))
+        async with SnakeTrainer(kinds_parts(KindsLM()), data=batches(2, 4), config=config(tmp_path, "b")) as t:
+            with pytest.raises(SnakeError, match="load: .*" + says + ".*the manifest is damaged"):
+                await t.load(where)
+            assert t.engine is None
+
+    await asyncio.wait_for(body(), TIMEOUT)

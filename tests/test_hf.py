@@ -449,6 +449,28 @@ async def test_export_then_from_pretrained_gives_same_logits(tmp_path, kind):
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
 
 
+@pytest.mark.asyncio
+async def test_a_family_transformers_does_not_auto_map_loads_and_exports(tmp_path):
+    """Mistral 4's config is not registered with AutoModelForCausalLM (transformers 5.24):
+    load_hf raised a raw ValueError, and `snake plan` printed a traceback. load_hf now finds
+    the class snake knows it by, from a config or a directory; a config of no causal LM is a
+    ModelError."""
+    config_stem, _, own = FAMILY["mistral4"]
+    cfg = getattr(tf, f"{config_stem}Config")(**{**LLAMA_KW, **own})
+    model = load_hf(cfg)
+    assert type(model).__name__ == "Mistral4ForCausalLM"
+    state = await train_snake(model, batches(2, 4, seq=16, vocab=VOCAB), tmp_path, steps=2)
+    out = export_hf(state, model, tmp_path / "export")
+    again = load_hf(out).eval()
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(state)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(again(idx).logits, trained.eval()(idx).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ModelError, match="transformers has no causal LM for T5Config"):
+        load_hf(tf.T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=VOCAB))
+
+
 def test_load_hf_from_config_and_bad_path(tmp_path):
     model = load_hf(tf.LlamaConfig(**LLAMA_KW))
     assert isinstance(model, tf.LlamaForCausalLM)
