@@ -164,9 +164,10 @@ class Kernels:
                 g.set_state(state)
 
     def bind(self, tensors: list[torch.Tensor], layer: int) -> nn.Module:
-        """The shell block of `layer`'s kind as layer `layer`: `tensors` as its parameters
-        (in `named_parameters` order), and that layer's own values of the scalar attributes
-        in which the layers of its kind differ (`_layer_attrs`). Sets the parameters straight
+        """The shell block of `layer`'s kind as layer `layer`: `tensors` as its trained
+        parameters (in `named_parameters` order), its frozen ones, and that layer's own
+        values of the buffers and scalar attributes in which the layers of its kind differ
+        (`_layer_buffers`, `_layer_attrs`). Sets the parameters straight
         into the submodules' parameter dicts: `functional_call` walks and swaps the module
         tree on every call (~0.4 ms per block call on a CPU)."""
         kind = self.kinds[layer]
