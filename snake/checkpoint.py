@@ -108,7 +108,8 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "step": e.next_t if e is not None else 0,
             "consumed_batches": trainer.source.consumed,
             "config": config_record(trainer.config),
-            "model": model_spec(trainer.parts),
+            # off the event loop: the frozen parameters' digests read them whole
+            "model": await _blocking(e, functools.partial(model_spec, trainer.parts)),
             "model_config": model_config(trainer.parts),
         }
         rng = rng_state()
@@ -137,7 +138,7 @@ async def load_checkpoint(
     trainer._begin()
     try:
         manifest = await _blocking(None, functools.partial(read_manifest, target))
-        check_compatible(manifest, trainer.config, trainer.parts)
+        await _blocking(None, functools.partial(check_compatible, manifest, trainer.config, trainer.parts))
         trainer.config = fill_config(trainer.config, manifest)
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:
@@ -253,12 +254,13 @@ def _frozen_spec(parts: ModelParts) -> dict[str, Any]:
     frozen = {n: p for n, p in parts.model.named_parameters() if not p.requires_grad}
     if not frozen:
         return {}
-    return {"frozen_params": {n: hashlib.sha256(_tensor_bytes(p)).hexdigest() for n, p in sorted(frozen.items())}}
+    return {"frozen_params": {n: _digest(p) for n, p in sorted(frozen.items())}}
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes, read where they are (no copy of a CPU tensor)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data if flat.numel() else b"").hexdigest()
 
 
 def _kinds_spec(parts: ModelParts) -> dict[str, Any]:

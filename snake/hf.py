@@ -451,11 +451,28 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
             )
         config = AutoConfig.from_pretrained(str(path), local_files_only=kwargs["local_files_only"],
                                             subfolder=kwargs.get("subfolder", ""))
-        return causal_lm_class(config).from_pretrained(str(path), **kwargs)
+        cls = causal_lm_class(config)
+        model = cls.from_pretrained(str(path), **kwargs)
+        _freeze_as_built(model, cls, config)
+        return model
     raise ModelError(
         f"load_hf: expected a transformers PretrainedConfig or a directory path, got "
         f"{type(path_or_config).__name__}"
     )
+
+
+def _freeze_as_built(model: nn.Module, cls: Any, config: Any) -> None:
+    """`from_pretrained` returns every parameter trainable, also those the model's class
+    builds frozen (requires_grad=False: Ernie 4.5 MoE's and AFMoE's routing statistics),
+    which `from_config` keeps frozen: freeze them as the class builds them (read off a copy
+    on the meta device), so snake leaves them as plain PyTorch training would."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        built = cls.from_config(config) if cls is AutoModelForCausalLM else cls._from_config(config)
+    frozen = [n for n, p in built.named_parameters() if not p.requires_grad]
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
 
 
 def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:

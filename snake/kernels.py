@@ -282,7 +282,7 @@ class Kernels:
     def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
         with torch.enable_grad(), self.rng(t, -1, m):
             h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
-            if not h.requires_grad:  # pre trains no parameter (a frozen embedding)
+            if not self.res_dev or not h.requires_grad:  # pre trains no parameter (a frozen embedding)
                 return
             grads = torch.autograd.grad(h.to(self.dtype), self.res_dev, grad_outputs=gh, allow_unused=True)
         self._accumulate(self.res_grad, grads)

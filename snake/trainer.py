@@ -163,9 +163,9 @@ class SnakeTrainer:
             # a weight tied inside the block: every name it has reads the one state
             first: dict[int, str] = {}
             for name, p in block.named_parameters(remove_duplicate=False):
-                canonical = first.setdefault(id(p), name)
-                if canonical in here:
-                    here[name] = here[canonical]
+                owner = first.setdefault(id(p), name)
+                if owner in here:
+                    here[name] = here[owner]
             offsets.append(here)
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}
@@ -179,7 +179,8 @@ class SnakeTrainer:
             elif alias.get(key) in resident:
                 out[key] = resident[alias[key]].clone()
                 continue
-            out[key] = value.detach().clone()
+            # buffers and frozen parameters, as they are: fp32 as before the first run
+            out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
         return out
 
     async def save(self, directory: Any) -> None:

@@ -251,6 +251,43 @@ async def test_frozen_embedding_and_layer_norm_train_as_plain_pytorch(tmp_path, 
         assert torch.equal(got[key], model.state_dict()[key])
 
 
+@pytest.mark.asyncio
+async def test_frozen_embedding_and_head_with_input_require_grads(tmp_path):
+    """Every parameter of pre and post frozen (a tied embedding and head, the final norm)
+    with transformers' enable_input_require_grads (PEFT-style fine-tuning): pre's output
+    needs gradients but pre trains nothing; its backward asked autograd for the gradients
+    of no tensors at all (an audit's find)."""
+    model = make("llama", tie_word_embeddings=True)
+    for p in (model.model.embed_tokens.weight, model.model.norm.weight):
+        p.requires_grad_(False)
+    model.enable_input_require_grads()
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(model, data, 2)
+    got = await train_snake(model, data, tmp_path)
+    assert_matches(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["ernie45moe", "afmoe"])
+async def test_load_hf_from_a_directory_keeps_what_the_model_freezes(tmp_path, kind):
+    """from_pretrained returns every parameter trainable, also the routing statistics these
+    models build frozen; snake then moved them (4.6e-5 in three steps) where PyTorch, which
+    gives them no gradient, leaves them (an audit's find). load_hf freezes them again."""
+    with torch.no_grad():
+        source = make(kind)
+        for p in source.parameters():
+            if not p.requires_grad:
+                p.normal_()
+        source.save_pretrained(tmp_path / "model")
+    model = load_hf(tmp_path / "model")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, p in source.named_parameters() if not p.requires_grad} and frozen
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    got = await train_snake(model, data, tmp_path)
+    for name in frozen:
+        assert torch.equal(got[name], model.state_dict()[name]), name
+
+
 TWO_KINDS = ["deepseekv3", "deepseekv2", "glm4moe", "glm4moelite", "dots1", "mistral4", "llama4", "cohere2moe",
              "exaonemoe", "ernie45moe", "afmoe", "qwen3moe-dense-0"]
 

@@ -500,3 +500,23 @@ async def test_a_weight_tied_inside_a_block_comes_back_under_both_names(tmp_path
                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
     assert "layers.1.b.weight" in got
     assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_frozen_parameters_of_a_bf16_model_come_back_in_fp32_unchanged(tmp_path):
+    """state_dict() gives fp32 weights: the frozen ones too, after a run as before it (an
+    audit's find: bf16 after a run)."""
+    from snake import SnakeConfig, SnakeTrainer
+
+    model = tiny_gpt(n_layer=2, n_embd=32, bias=False).to(torch.bfloat16)
+    model.wpe.weight.requires_grad_(False)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", device="cpu", dtype="bfloat16",
+                      placement=Placement.all_cpu(), alpha=0.0)
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
+        before = await t.state_dict()
+        await t.run(2)
+        after = await t.state_dict()
+    for state in (before, after):
+        assert state["wpe.weight"].dtype == torch.float32
+        assert torch.equal(state["wpe.weight"], model.wpe.weight.float())
+    assert after["blocks.0.attn.c_proj.weight"].dtype == torch.float32
