@@ -3,7 +3,7 @@
 # section 8, results in benchmarks/results/ as usual.
 #
 #   bash benchmarks/cuda_suite.sh                   # all but setting_b, ~17 min on one H100 (overlap ~5 min, a guess)
-#   bash benchmarks/cuda_suite.sh tests kernels     # some of: tests train overlap allcpu kernels throughput storage setting_b
+#   bash benchmarks/cuda_suite.sh tests kernels     # some of: tests train overlap allcpu kernels throughput storage setting_b kinds
 #
 # Times seen on the H100 (round 10): tests 21 s, throughput 7 min, allcpu 1.5 min, storage 20 s.
 set -euo pipefail
@@ -27,7 +27,9 @@ for part in "${parts[@]}"; do
                  --capped-only --roof-rounds 1 --steps 3 --ms 1,2,4,8,16,32 --name throughput_gpu_b ;;
     allcpu) python3 benchmarks/throughput.py --device cuda "${GPT[@]}" --budget-mib 12000 --cap-mb 1000 \
               --capped-only --roof-rounds 1 --steps 3 --ms 4,16 --name throughput_gpu_allcpu ;;
+    kinds) python3 benchmarks/kinds.py --device cuda --layers 8 --width 1024 --seq 512 --m 8 --rounds 2 --steps 3 \
+             --name kinds_gpu ;;  # round 24's layers of two kinds against in-memory PyTorch
     storage) for b in kvikio posix; do python3 benchmarks/storage.py --quick --backend "$b" --name "storage_${b}_gpu"; done ;;
-    *) echo "cuda_suite.sh: unknown part '$part' (use tests, train, overlap, allcpu, kernels, throughput, storage or setting_b)" >&2; exit 2 ;;
+    *) echo "cuda_suite.sh: unknown part '$part' (use tests, train, overlap, allcpu, kernels, throughput, storage, setting_b or kinds)" >&2; exit 2 ;;
   esac
 done

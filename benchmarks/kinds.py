@@ -8,6 +8,7 @@ sizes) costs snake anything against PyTorch that layers all alike do not; and ea
 bytes moved per iteration against its own parameters (no padding to the largest kind).
 
     python benchmarks/kinds.py [--rounds 3] [--steps 4] [--m 4] [--name kinds]
+    python benchmarks/kinds.py --device cuda --layers 8 --width 2048 --seq 512 --m 8   # on a GPU
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import RESULTS, SCRATCH, figure, machine, on_worker, save
+from common import RESULTS, SCRATCH, checked_device, figure, machine, on_worker, save
 
 from snake import Placement, SnakeConfig, SnakeTrainer
 
@@ -54,7 +55,7 @@ async def snake_async(dense: int, args: argparse.Namespace) -> dict[str, Any]:
     model, data = on_worker(lambda: (make_model(dense, args), make_batches(args)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(micro_batches=args.m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0,
-                           device="cpu")
+                           device=args.device)
         async with SnakeTrainer(model, data=data, config=conf) as t:
             report = await t.run(args.steps)
             traffic = t.traffic()
@@ -65,16 +66,21 @@ async def snake_async(dense: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def torch_loop(dense: int, args: argparse.Namespace) -> dict[str, Any]:
-    model = make_model(dense, args)
+    """In-memory PyTorch: on CUDA the model, its optimizer states and the batches on the GPU,
+    each timestamp after the GPU's work."""
+    dev = torch.device(args.device)
+    model = make_model(dense, args).to(dev)
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
-    data = make_batches(args)
+    data = [(x.to(dev), y.to(dev)) for x, y in make_batches(args)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps = []
     for x, y in data:
+        sync()
         t0 = time.perf_counter()
         for xi, yi in zip(x.chunk(args.m), y.chunk(args.m), strict=True):
             logits = model(xi, use_cache=False).logits
@@ -82,6 +88,7 @@ def torch_loop(dense: int, args: argparse.Namespace) -> dict[str, Any]:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         steps.append(time.perf_counter() - t0)
     return {"step_seconds": steps, "tokens_per_s": args.m * args.mbs * args.seq / statistics.median(steps[1:])}
 
@@ -97,10 +104,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=384)
     ap.add_argument("--dense", type=int, default=2, help="dense layers first in the two-kinds model")
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if present)")
     ap.add_argument("--name", default="kinds")
     args = ap.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps: at least 2 (the first is a warm-up)")
+    args.device = checked_device(args, ("rounds", "m", "mbs", "dense", "vocab"))
     SCRATCH.mkdir(parents=True, exist_ok=True)
     variants = {"two kinds": args.dense, "all alike": 0}
     runs: dict[str, dict[str, list]] = {v: {"snake": [], "torch": []} for v in variants}
