@@ -79,7 +79,7 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
                     f"model: snake does not know how the layers of {type(model).__name__} compose "
                     f"(it recognises {supported()}); {fix}"
                 )
-            raise ModelError(f"model: cannot find uniform transformer blocks in {type(model).__name__}; {fix}")
+            raise ModelError(f"model: cannot find the transformer blocks of {type(model).__name__}; {fix}")
         parts = hf
     check_parts(parts)
     return parts

@@ -28,7 +28,8 @@ class DataError(SnakeError, ValueError):
 
 
 class ModelError(SnakeError, TypeError):
-    """The model cannot be split into resident pre/post parts and uniform blocks."""
+    """The model cannot be split into resident pre/post parts and streamed blocks, or snake
+    would train it wrongly."""
 
 
 class StorageError(SnakeError, OSError):

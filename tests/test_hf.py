@@ -414,7 +414,7 @@ def test_unsupported_model_asks_for_model_parts(tmp_path, which):
         ))
     assert describe_hf(model) is None
     # a transformers model is told which ones snake knows, not that it has no uniform blocks
-    says = "recognises GPT2LMHeadModel, LlamaForCausalLM" if which == "bert" else "cannot find uniform"
+    says = "recognises GPT2LMHeadModel, LlamaForCausalLM" if which == "bert" else "cannot find the transformer blocks"
     with pytest.raises(ModelError, match=f"{says}.*ModelParts"):
         SnakeTrainer(model, data=batches(1, 2, vocab=VOCAB), config=SnakeConfig(offload_dir=tmp_path, device="cpu"))
 
