@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -25,6 +26,8 @@ from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
 from snake.optim import adamw_step
+
+log = logging.getLogger("snake")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +76,13 @@ class Kernels:
         self.kind_sites: list[list[list[tuple[nn.Module, str]]]] = []
         self.kind_shapes: list[list[torch.Size]] = []
         self.kind_numels: list[list[int]] = []
+        self.kind_names: list[list[str]] = []
+        # trained block parameters without a gradient in a micro-batch, per (layer, index) of
+        # the iteration in backward (`_no_gradient`); warned about once each
+        self.watch_gradients = True
+        self._none_t = -1
+        self._none_counts: dict[tuple[int, int], int] = {}
+        self._warned: set[tuple[int, int]] = set()
         # per layer, the scalar attributes and the buffers to set on its kind's shell where
         # the layers of the kind differ (`_layer_attrs`, `_layer_buffers`)
         self.layer_attrs: list[list[tuple[nn.Module, str, object]]] = [[] for _ in blocks]
@@ -88,6 +98,7 @@ class Kernels:
             self.kind_sites.append(_param_sites(shell, [n for n, _ in spec]))
             self.kind_shapes.append([p.shape for _, p in spec])
             self.kind_numels.append([p.numel() for _, p in spec])
+            self.kind_names.append([n for n, _ in spec])
             mine = [i for i, k in enumerate(self.kinds) if k == kind]
             for i, attrs in zip(mine, _layer_attrs(shell, [blocks[i] for i in mine]) or [[]] * len(mine), strict=True):
                 self.layer_attrs[i] = attrs
@@ -267,8 +278,9 @@ class Kernels:
         n = self.kind_params[kind]
         if not accumulate and n < acc.numel():  # a smaller kind's slot: no stale rest
             acc[n:].zero_()
-        for a, g in zip(acc[:n].split(self.kind_numels[kind]), grads[1:], strict=True):
+        for i, (a, g) in enumerate(zip(acc[:n].split(self.kind_numels[kind]), grads[1:], strict=True)):
             if g is None:
+                self._no_gradient(t, layer, i)
                 if not accumulate:
                     a.zero_()
             elif accumulate:
@@ -278,6 +290,29 @@ class Kernels:
         gx = grads[0]
         assert gx is not None
         return gx.contiguous()
+
+    def _no_gradient(self, t: int, layer: int, i: int) -> None:
+        """Parameter `i` of `layer` got no gradient in a micro-batch of iteration `t`; in all
+        of them, torch.optim.AdamW would skip it this step (its .grad stays None), where
+        snake steps it with a zero gradient (weight decay, momentum): warn, once per
+        parameter (a log record: on the compute thread a warning filter set to "error" would
+        stop the run). Backward jobs run iteration by iteration, so older counts are dropped."""
+        if not self.watch_gradients:
+            return
+        if t != self._none_t:
+            self._none_t, self._none_counts = t, {}
+        key = (layer, i)
+        count = self._none_counts[key] = self._none_counts.get(key, 0) + 1
+        if count < self.n_micro or key in self._warned:
+            return
+        self._warned.add(key)
+        name = f"{self.parts.blocks_prefix}.{layer}.{self.kind_names[self.kinds[layer]][i]}"
+        log.warning(
+            "snake: parameter %r got no gradient in any micro-batch of iteration %d (its block "
+            "never uses it, e.g. an expert no token was routed to); torch.optim.AdamW would leave "
+            "it that step, snake steps it with a zero gradient (weight decay, momentum): freeze it "
+            "(requires_grad=False) if it is never meant to train", name, t,
+        )
 
     def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
         with torch.enable_grad(), self.rng(t, -1, m):
