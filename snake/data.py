@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ class DataSource:
             )
         self._peeked: list[Any] = []
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
+        self._call: Future[Any] | None = None  # that next() on its thread: done as it returns
         self.consumed = 0  # global batches handed out
         # a list or tuple says how many batches it has: run() checks there are enough
         self._len = len(data) if isinstance(data, Sequence) else None
@@ -52,7 +53,8 @@ class DataSource:
             assert self._iter is not None
             pending = self._pending
             if pending is None:
-                pending = self._pending = asyncio.get_running_loop().run_in_executor(executor, next, self._iter, _END)
+                self._call = executor.submit(next, self._iter, _END)
+                pending = self._pending = asyncio.wrap_future(self._call)
             try:
                 item = await asyncio.shield(pending)
             except BaseException:
@@ -76,7 +78,18 @@ class DataSource:
     def fetching(self) -> bool:
         """Is a sync iterator's next() still running on the data thread (left by a
         cancellation)?"""
-        return self._pending is not None and not self._pending.done()
+        # the thread's own future, not the loop's copy, which is marked done only when the
+        # loop next runs its callbacks
+        return self._pending is not None and self._call is not None and not self._call.done()
+
+    async def settle(self, grace: float) -> bool:
+        """Wait up to `grace` seconds for a next() a cancellation left running; True if none
+        runs now. A quick iterator (a list) has returned by then and its thread can be
+        joined; a stuck one is left to end on its own."""
+        pending = self._pending
+        if pending is not None and self.fetching():
+            await asyncio.wait([pending], timeout=grace)
+        return not self.fetching()
 
     async def peek(self, executor: Executor) -> Any:
         item = await self.next(executor)

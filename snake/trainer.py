@@ -28,6 +28,10 @@ from snake.trace import Tracer
 
 log = logging.getLogger("snake")
 
+# how long shutting down waits for a data next() a cancellation left running (a list's
+# returns at once) before it leaves that thread to end on its own
+_NEXT_GRACE_S = 0.1
+
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
@@ -393,14 +397,23 @@ class SnakeTrainer:
         self._loop = None
         if e is not None:
             e.close()  # joins executor threads: quick, their work was awaited or is done
-        if self._data_ex is not None:
-            # not waited for while the user's next() still runs there (a cancellation does
-            # not wait for it: it may block for long); that thread ends when it returns
-            self._data_ex.shutdown(wait=not self.source.fetching(), cancel_futures=True)
-        self._data_ex = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        data_ex, self._data_ex = self._data_ex, None
+        if data_ex is not None:
+            # not joined while the user's next() still runs there after a short grace (a
+            # cancellation does not wait for it: it may block for long); that thread ends
+            # when it returns
+            idle = False
+            try:
+                idle = await self.source.settle(_NEXT_GRACE_S)
+            finally:
+                data_ex.shutdown(wait=idle, cancel_futures=True)
+                self._release_lock()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
 
 

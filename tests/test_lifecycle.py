@@ -286,6 +286,37 @@ async def test_a_timeout_does_not_wait_for_a_blocked_data_source_nor_lose_its_ba
         assert torch.equal(got[k], want[k]), k
 
 
+class BriefData:
+    """A sync iterable whose next() at batch `at` signals `entered`, then takes `seconds`."""
+
+    def __init__(self, data, at: int, seconds: float) -> None:
+        self.data, self.at, self.seconds = data, at, seconds
+        self.entered = threading.Event()
+
+    def __iter__(self):
+        for i, item in enumerate(self.data):
+            if i == self.at:
+                self.entered.set()
+                threading.Event().wait(self.seconds)
+            yield item
+
+
+@pytest.mark.asyncio
+async def test_close_while_a_quick_next_runs_joins_the_data_thread(tmp_path):
+    """close() during a run whose data next() was still running left the data thread
+    behind: the trainer did not join it while the loop had not yet seen the call return
+    (CI saw 'snake-data_0' after close). A next() that returns within a short grace is now
+    waited for and its thread joined."""
+    data = BriefData(batches(50, 4), at=3, seconds=0.03)
+    t = SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=data, config=config(tmp_path / "off"))
+    task = asyncio.create_task(t.run(50))
+    await asyncio.to_thread(data.entered.wait, 30)
+    await t.close()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not snake_threads()
+
+
 @pytest.mark.asyncio
 async def test_the_stall_watchdog_names_a_blocked_data_source(tmp_path):
     import time
