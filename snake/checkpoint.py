@@ -5,7 +5,9 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
   manifest.json            format and version, `step` (optimizer steps applied = the next
                            iteration), `consumed_batches` (global batches taken from the
                            data), the config fields a resume must match, the model's
-                           parameter names and shapes, and the size and sha256 of each file
+                           parameter names and shapes, `missed_steps` (the parameters left
+                           in some steps for want of a gradient, and how many), and the
+                           size and sha256 of each file
   layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
                            named as in `model.state_dict()`
@@ -14,7 +16,8 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            never stepped; a load checks the model's against their digests)
   rng.safetensors          torch's global RNG state(s) as uint8 tensors
 
-Every parameter has had exactly `step` AdamW steps: delayed optimizer work (alpha > 0) is
+Every parameter has had `step` AdamW steps, less its `missed_steps` (iterations in which it
+got no gradient, which torch.optim.AdamW skips too): delayed optimizer work (alpha > 0) is
 flushed before saving, so a resumed run gives the weights of an uninterrupted one. The
 compute-dtype parameters are not stored: `load` derives them from the masters. Dropout
 masks derive from (config.seed, iteration, layer, micro-batch), so the step counter and the
@@ -111,6 +114,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             # off the event loop: the frozen parameters' digests read them whole
             "model": await _blocking(e, functools.partial(model_spec, trainer.parts)),
             "model_config": model_config(trainer.parts),
+            "missed_steps": missed_steps(e) if e is not None else {},
         }
         rng = rng_state()
         with _borrowed(e, "opt", every=True) as bufs:
@@ -320,6 +324,7 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
     if not isinstance(n_layer, int) or isinstance(n_layer, bool) or n_layer < 1:
         raise damaged("model.n_layer", n_layer, "must be an integer >= 1")
     _check_model_record(manifest["model"], n_layer, damaged)
+    _check_missed_steps(manifest, n_layer, damaged)
     files: dict[str, Any] = manifest["files"]
     for name, info in files.items():
         if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
@@ -338,6 +343,51 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
         if digest != info["sha256"]:
             raise SnakeError(f"{what}: {f} does not match its sha256 in the manifest: it is damaged")
     return manifest
+
+
+def missed_steps(e: Engine) -> dict[str, int]:
+    """The trained parameters that were left in some steps (no gradient in the iteration, as
+    torch.optim.AdamW leaves them), with how many, by state_dict name."""
+    k = e.kernels
+    out: dict[str, int] = {}
+    for layer, missed in enumerate(k.layer_skips):
+        names = k.kind_names[k.kinds[layer]]
+        for i, count in sorted(missed.items()):
+            out[f"{k.parts.blocks_prefix}.{layer}.{names[i]}"] = count
+    for name, count in zip(k.res_names, k.res_skips, strict=True):
+        if count:
+            out[name[len("model."):]] = count
+    return out
+
+
+def _check_missed_steps(manifest: dict[str, Any], n_layer: int, damaged: Callable[[str, object, str], SnakeError]) -> None:
+    """`missed_steps` (absent in a checkpoint where no parameter missed one) names trained
+    parameters of the manifest's own model record, each with 1..step steps missed."""
+    missed = manifest.get("missed_steps", {})
+    if not isinstance(missed, dict):
+        raise damaged("missed_steps", type(missed).__name__, "must be a mapping")
+    model, step = manifest["model"], manifest["step"]
+    prefix = model.get("blocks_prefix")
+    known = {str(n) for n, _ in model["resident_params"]}
+    known |= {f"{prefix}.{i}.{n}" for i in range(n_layer) for n, _ in _layer_spec(model, i)}
+    for name, count in missed.items():
+        if name not in known:
+            raise damaged(f"missed_steps[{name!r}]", count, "must name a trained parameter of the checkpoint's model")
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= step:
+            raise damaged(f"missed_steps[{name!r}]", count, f"must be an integer in [1, step={step}]")
+
+
+def _set_missed_steps(e: Engine, missed: dict[str, int]) -> None:
+    k = e.kernels
+    res = {name[len("model."):]: i for i, name in enumerate(k.res_names)}
+    k.res_skips = [missed.get(name, 0) for name in res]
+    for layer in range(e.N):
+        head = f"{k.parts.blocks_prefix}.{layer}."
+        k.layer_skips[layer] = {
+            i: missed[head + n] for i, n in enumerate(k.kind_names[k.kinds[layer]]) if head + n in missed
+        }
+    k.res_got = [False] * len(k.res_got)
+    e.delayed_skips.clear()
 
 
 def _check_model_record(model: dict[str, Any], n_layer: int, damaged: Callable[[str, object, str], SnakeError]) -> None:
@@ -825,6 +875,7 @@ def apply_checkpoint(
     synchronize(e.device)
     step = int(manifest["step"])
     e.next_t = step
+    _set_missed_steps(e, manifest.get("missed_steps", {}))
     # nothing is pending after the flush at save time: the delayed steps of iteration
     # `step` would apply the gradients of iteration step - 1, which the masters hold
     e.first_delayed = step + 1 if step > 0 else 0

@@ -96,6 +96,9 @@ class Engine:
         self.next_t = 0  # next iteration to run
         self.first_delayed = 0  # delayed steps are due from this iteration on
         self.flush_partial = False  # flush_delayed stopped with some layers stepped, some not
+        # per layer, the parameters (by index) its pending delayed step leaves: those without
+        # a gradient in the iteration its gradient is of (Kernels.take_skipped)
+        self.delayed_skips: dict[int, tuple[int, ...]] = {}
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None

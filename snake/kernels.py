@@ -77,12 +77,15 @@ class Kernels:
         self.kind_shapes: list[list[torch.Size]] = []
         self.kind_numels: list[list[int]] = []
         self.kind_names: list[list[str]] = []
-        # trained block parameters without a gradient in a micro-batch, per (layer, index) of
-        # the iteration in backward (`_no_gradient`); warned about once each
-        self.watch_gradients = True
-        self._none_t = -1
-        self._none_counts: dict[tuple[int, int], int] = {}
-        self._warned: set[tuple[int, int]] = set()
+        # trained block parameters without a gradient: per (iteration, layer), the
+        # micro-batches each parameter (by index) had none in (`_no_gradient`); one with none
+        # in all is not stepped that iteration, as torch.optim.AdamW leaves a parameter whose
+        # .grad stays None (`take_skipped`), and counts one step fewer from then on
+        # (`layer_skips`: per layer, steps missed by parameter index; `res_skips` for pre/post)
+        self.watch_gradients = True  # log each such parameter once (off in the planner's probes)
+        self._none_counts: dict[tuple[int, int], dict[int, int]] = {}
+        self._logged: set[tuple[int, int]] = set()
+        self.layer_skips: list[dict[int, int]] = [{} for _ in blocks]
         # per layer, the scalar attributes and the buffers to set on its kind's shell where
         # the layers of the kind differ (`_layer_attrs`, `_layer_buffers`)
         self.layer_attrs: list[list[tuple[nn.Module, str, object]]] = [[] for _ in blocks]
@@ -136,6 +139,8 @@ class Kernels:
             p.detach().to(device=device, dtype=self.dtype).clone().requires_grad_(True) for _, p in res
         ]
         self.res_grad = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for _, p in res]
+        self.res_got = [False] * len(res)  # got a gradient this iteration
+        self.res_skips = [0] * len(res)  # iterations without a gradient: steps missed
         prefix = parts.blocks_prefix + "."
         self.res_buffers = {
             "model." + n: b.to(device)
@@ -208,10 +213,11 @@ class Kernels:
         d.update(self.res_buffers)
         return d
 
-    def _accumulate(self, acc: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
-        for a, g in zip(acc, grads, strict=True):
+    def _accumulate_resident(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for i, (a, g) in enumerate(zip(self.res_grad, grads, strict=True)):
             if g is not None:
                 a.add_(g.reshape(-1).float(), alpha=1.0 / self.scale)
+                self.res_got[i] = True
 
     # -- forward ----------------------------------------------------------------------
     def pre(self, idx: torch.Tensor, t: int, m: int) -> torch.Tensor:
@@ -249,7 +255,7 @@ class Kernels:
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum") / trained
             grads = torch.autograd.grad(loss * self.scale, [h, *self.res_dev], allow_unused=True)
-        self._accumulate(self.res_grad, grads[1:])
+        self._accumulate_resident(grads[1:])
         gh = grads[0]
         assert gh is not None
         return loss.detach(), gh.to(self.dtype).contiguous()
@@ -292,27 +298,48 @@ class Kernels:
         return gx.contiguous()
 
     def _no_gradient(self, t: int, layer: int, i: int) -> None:
-        """Parameter `i` of `layer` got no gradient in a micro-batch of iteration `t`; in all
-        of them, torch.optim.AdamW would skip it this step (its .grad stays None), where
-        snake steps it with a zero gradient (weight decay, momentum): warn, once per
-        parameter (a log record: on the compute thread a warning filter set to "error" would
-        stop the run). Backward jobs run iteration by iteration, so older counts are dropped."""
-        if not self.watch_gradients:
-            return
-        if t != self._none_t:
-            self._none_t, self._none_counts = t, {}
-        key = (layer, i)
-        count = self._none_counts[key] = self._none_counts.get(key, 0) + 1
-        if count < self.n_micro or key in self._warned:
-            return
-        self._warned.add(key)
-        name = f"{self.parts.blocks_prefix}.{layer}.{self.kind_names[self.kinds[layer]][i]}"
-        log.warning(
-            "snake: parameter %r got no gradient in any micro-batch of iteration %d (its block "
-            "never uses it, e.g. an expert no token was routed to); torch.optim.AdamW would leave "
-            "it that step, snake steps it with a zero gradient (weight decay, momentum): freeze it "
-            "(requires_grad=False) if it is never meant to train", name, t,
-        )
+        """Parameter `i` of `layer` got no gradient in a micro-batch of iteration `t`. Counted
+        per (t, layer) until the layer's optimizer step takes it (`take_skipped`); counts of
+        iterations two back are dropped (left by a cancelled run)."""
+        key = (t, layer)
+        counts = self._none_counts.get(key)
+        if counts is None:
+            for old in [k for k in self._none_counts if k[0] < t - 1]:
+                self._none_counts.pop(old, None)
+            counts = self._none_counts[key] = {}
+        counts[i] = counts.get(i, 0) + 1
+
+    def take_skipped(self, t: int, layer: int) -> tuple[int, ...]:
+        """The parameters of `layer` (by index) that got no gradient in any micro-batch of
+        iteration `t`, once its backward is done: torch.optim.AdamW leaves them that step.
+        Counts each as a missed step in `layer_skips` and logs each parameter the first
+        time (a log record: on the compute thread a warning filter set to "error" would stop
+        the run)."""
+        counts = self._none_counts.pop((t, layer), {})
+        skipped = tuple(sorted(i for i, c in counts.items() if c >= self.n_micro))
+        missed = self.layer_skips[layer]
+        for i in skipped:
+            missed[i] = missed.get(i, 0) + 1
+            if self.watch_gradients and (layer, i) not in self._logged:
+                self._logged.add((layer, i))
+                name = f"{self.parts.blocks_prefix}.{layer}.{self.kind_names[self.kinds[layer]][i]}"
+                log.info(
+                    "snake: parameter %r got no gradient in iteration %d (its block did not use it, "
+                    "e.g. an expert no token was routed to): not stepped then, as torch.optim.AdamW "
+                    "leaves it (logged once per parameter)", name, t,
+                )
+        return skipped
+
+    def layer_steps(self, layer: int, step: int, skipped: tuple[int, ...]) -> list[int | None] | None:
+        """Per parameter of `layer`, the AdamW step count its step `step` applies (step
+        minus the steps it missed), None for one `skipped` now; None when every parameter
+        takes `step` (the common case)."""
+        missed = self.layer_skips[layer]
+        if not missed:
+            return None
+        n = len(self.kind_numels[self.kinds[layer]])
+        off = set(skipped)
+        return [None if i in off else step - missed.get(i, 0) for i in range(n)]
 
     def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
         with torch.enable_grad(), self.rng(t, -1, m):
@@ -320,12 +347,21 @@ class Kernels:
             if not self.res_dev or not h.requires_grad:  # pre trains no parameter (a frozen embedding)
                 return
             grads = torch.autograd.grad(h.to(self.dtype), self.res_dev, grad_outputs=gh, allow_unused=True)
-        self._accumulate(self.res_grad, grads)
+        self._accumulate_resident(grads)
 
     # -- resident optimizer step --------------------------------------------------------
     def resident_step(self, step: int) -> None:
+        """AdamW on pre/post, step count `step` for each parameter less the iterations it had
+        no gradient in; one without a gradient this iteration is left, as torch.optim.AdamW
+        leaves it."""
         grads = [g.to("cpu") for g in self.res_grad]
-        adamw_step(self.res_master, grads, self.res_m, self.res_v, step=step, opt=self.opt)
+        on = [i for i, got in enumerate(self.res_got) if got]
+        for i, got in enumerate(self.res_got):
+            if not got:
+                self.res_skips[i] += 1
+        adamw_step([self.res_master[i] for i in on], [grads[i] for i in on], [self.res_m[i] for i in on],
+                   [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt)
+        self.res_got = [False] * len(self.res_got)
         with torch.no_grad():
             for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
                 dev.copy_(master.view(shape))

@@ -671,3 +671,37 @@ async def test_damaged_layer_kinds_in_a_manifest_are_refused(tmp_path, damage, s
             assert t.engine is None
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "missed,says",
+    [
+        ([1], r"missed_steps='list', which must be a mapping"),
+        ({"blocks.0.nope": 1}, r"missed_steps\['blocks\.0\.nope'\]=1, which must name a trained parameter"),
+        ({"wpe.weight": 0}, r"missed_steps\['wpe\.weight'\]=0, which must be an integer in \[1, step=1\]"),
+        ({"blocks.1.attn.c_proj.weight": 2}, r"=2, which must be an integer in \[1, step=1\]"),
+        ({"wpe.weight": True}, r"=True, which must be an integer"),
+    ],
+    ids=["not-a-map", "unknown-name", "none-missed", "more-than-steps", "bool"],
+)
+async def test_damaged_missed_steps_in_a_manifest_are_refused(tmp_path, missed, says):
+    """`missed_steps` (the steps a parameter without a gradient was left) is checked like
+    the rest of the manifest, before the trainer changes."""
+    where = tmp_path / "ckpt"
+
+    async def body():
+        async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=config(tmp_path, "a")) as t:
+            await t.run(1)
+            await t.save(where)
+        path = where / ckpt.MANIFEST
+        manifest = json.loads(path.read_text())
+        assert manifest["missed_steps"] == {}
+        manifest["missed_steps"] = missed
+        path.write_text(json.dumps(manifest))
+        async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=config(tmp_path, "b")) as t:
+            with pytest.raises(SnakeError, match="load: .*" + says + ".*the manifest is damaged"):
+                await t.load(where)
+            assert t.engine is None
+
+    await asyncio.wait_for(body(), TIMEOUT)

@@ -19,6 +19,9 @@ of alpha = 0 (to the last bit of a few elements: snake.optim.adamw_step).
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 
 from snake.actors.base import Actor
@@ -69,10 +72,16 @@ class OptimizerWorker(Actor):
             host = msg.buf
             full = host if host is not None else e.accumulators[op.layer]
             grads = full[:n_now]
+            # the layer's backward is done: which parameters had no gradient at all
+            skipped = e.kernels.take_skipped(op.t, op.layer)
+            if n_del:
+                e.delayed_skips[op.layer] = skipped
         else:
             await self.clock.wait_for(op.key)  # type: ignore[arg-type]
             full = None
             grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
+            skipped = e.delayed_skips.pop(op.layer, ())
+        counts = e.kernels.layer_steps(op.layer, op.step, skipped)
         ostore, pstore = e.stores["opt"], e.stores["param"]
         ou = ostore.unit((op.layer, op.part))
         pu = pstore.unit((op.layer, op.part))
@@ -83,7 +92,8 @@ class OptimizerWorker(Actor):
         ptail = await ppool.acquire() if pu.tail_n and ppool is not None else None
 
         def work() -> None:
-            step_unit(e, grads, ou, otail, pu, ptail, op.step)
+            step_unit(e, grads, ou, otail, pu, ptail, op.step,
+                      counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now)
             if full is not None and e.vertical and n_del:
                 # into the layer's delayed parameter share (stale now) and its spare room
                 scatter([full[n_now:n]], e.delayed_grads[op.layer])
@@ -120,24 +130,30 @@ def step_unit(
     pu: Unit,
     ptail: HostBuffer | None,
     step: int,
+    *,
+    counts: list[int | None] | None = None,
+    layer: int = 0,
+    first: int = 0,
 ) -> None:
     """Blocking: AdamW on one part of one layer, its state split between the CPU head and
     the staged SSD tail, its gradient one tensor or consecutive pieces; then the new
     compute-dtype parameters into the param unit's head (in place) and staged tail. The
     gradient is read in full before any parameter is written (it may live in the memory of
-    the delayed parameters it updates)."""
+    the delayed parameters it updates). `counts`: per parameter of the layer, its own step
+    count, None to leave it (`Kernels.layer_steps`; the part starts at element `first` of
+    the layer); without them every element takes `step`."""
     ostore, pstore = e.stores["opt"], e.stores["param"]
     pieces = [ostore.head(ou)]
     if otail is not None:
         pieces.append(ostore.tail(ou, otail))
-    master, m, v, g = [], [], [], []
-    for cut in _aligned([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces],
-                         grads if isinstance(grads, list) else [grads]]):
-        master.append(cut[0])
-        m.append(cut[1])
-        v.append(cut[2])
-        g.append(cut[3])
-    adamw_step(master, g, m, v, step=step, opt=e.config.optimizer)
+    cuts = _aligned([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces],
+                     grads if isinstance(grads, list) else [grads]])
+    steps: int | list[int] = step
+    if counts is not None:
+        k = e.kernels
+        cuts, steps = _by_parameter(cuts, first, k.kind_numels[k.kinds[layer]], counts)
+    adamw_step([c[0] for c in cuts], [c[3] for c in cuts], [c[1] for c in cuts], [c[2] for c in cuts],
+               step=steps, opt=e.config.optimizer)
     dst = [pstore.head(pu)[0]]
     if ptail is not None:
         dst.append(pstore.tail(pu, ptail)[0])
@@ -163,7 +179,9 @@ def flush_delayed(e: Engine) -> None:
         if ou.tail_n:
             ostore.read_tail(ou, obuf)
         e.flush_partial = True  # from here the CPU copies change in place
-        step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t)
+        counts = e.kernels.layer_steps(layer, t, e.delayed_skips.pop(layer, ()))
+        step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t,
+                  counts=counts, layer=layer, first=n_now)
         if ou.tail_n:
             ostore.write_tail(ou, obuf)
         if pu.tail_n:
@@ -172,6 +190,30 @@ def flush_delayed(e: Engine) -> None:
         e.ledger.set(("param", layer, 1), t)
     e.first_delayed = t + 1
     e.flush_partial = False
+
+
+def _by_parameter(
+    cuts: list[tuple[torch.Tensor, ...]], first: int, numels: list[int], counts: list[int | None]
+) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+    """Cut aligned pieces (consecutive elements of a layer from element `first`) further at
+    the layer's parameter boundaries (`numels`); keep each piece with its parameter's step
+    count, dropping those of parameters left this step (count None)."""
+    bounds = list(itertools.accumulate(numels))
+    out: list[tuple[torch.Tensor, ...]] = []
+    steps: list[int] = []
+    pos = first
+    for cut in cuts:
+        n, a = cut[0].numel(), 0
+        while a < n:
+            i = bisect.bisect_right(bounds, pos + a)
+            b = min(n, bounds[i] - pos)
+            count = counts[i]
+            if count is not None:
+                out.append(tuple(c[a:b] for c in cut))
+                steps.append(count)
+            a = b
+        pos += n
+    return out, steps
 
 
 def _aligned(runs: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
