@@ -141,7 +141,7 @@ def _kind_seconds(
     # the runtime's own kernels (the shell block bound to a device slot, RNG seeding, fp32
     # gradient accumulation), so the profile includes what the compute actor really pays
     kernels = _kernels(parts, device, dtype)
-    slots = [torch.cat([p.detach().reshape(-1) for p in trained(b.parameters())]) for b in blocks]
+    slots = [torch.cat([p.detach().reshape(-1) for p in trained(b)]) for b in blocks]
     acc = torch.zeros(kernels.layer_params, dtype=torch.float32, device=device)
 
     def next_slot() -> tuple[torch.Tensor, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -242,17 +242,50 @@ def _check_block_buffers(blocks: list[nn.Module]) -> None:
             )
 
 
-def param_signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
-    """A block's parameter names, shapes and whether each is trained."""
-    return tuple((n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters())
+def param_signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...], bool, bool], ...]:
+    """A block's parameter names, shapes, whether each is trained and whether it is kept in
+    float32 (`kept_fp32`)."""
+    kept = kept_fp32(block)
+    return tuple((n, tuple(p.shape), p.requires_grad, n in kept) for n, p in block.named_parameters())
+
+
+def kept_fp32(module: nn.Module, *, skip: str | None = None) -> frozenset[str]:
+    """The names of `module`'s parameters and buffers that run in float32 whatever the
+    compute dtype: where its trained parameters are stored in a lower precision (a model
+    loaded in bfloat16), those it stores in float32, as transformers keeps a router's gate
+    and bias (`_keep_in_fp32_modules`). Empty where every trained parameter is float32 (a
+    float32 model: all of it runs in the compute dtype). `skip`: a prefix of names left out
+    (the blocks, for pre/post)."""
+    def mine(named: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for n, t in named if skip is None or not n.startswith(skip)]
+
+    params = mine(module.named_parameters())
+    if all(p.dtype == torch.float32 for _, p in params if p.requires_grad and p.is_floating_point()):
+        return frozenset()
+    tensors = params + mine(module.named_buffers(remove_duplicate=False))
+    return frozenset(n for n, t in tensors if t.dtype == torch.float32)
+
+
+def flat_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A block's parameters in its flat state, streamed and stepped as one: the trained ones
+    (requires_grad) in `named_parameters` order, less those kept in float32 (`kept_fp32`:
+    held on the device with pre/post's, `resident_named_params`)."""
+    kept = kept_fp32(block)
+    return [(n, p) for n, p in block.named_parameters() if p.requires_grad and n not in kept]
+
+
+def held_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A block's trained parameters kept in float32 (`kept_fp32`), held on the device."""
+    kept = kept_fp32(block)
+    return [(n, p) for n, p in block.named_parameters() if p.requires_grad and n in kept]
 
 
 def layer_specs(parts: ModelParts) -> list[list[tuple[str, torch.Size]]]:
-    """Each layer's trained parameters (names and shapes, in `named_parameters` order: the
-    order of its elements in a layer's flat state; frozen ones, requires_grad=False, stay
-    as they are and are not part of it); layers of one kind share one list."""
+    """Each layer's parameters in its flat state (names and shapes, `flat_named`: frozen
+    ones, requires_grad=False, stay as they are and those kept in float32 are held with
+    pre/post's); layers of one kind share one list."""
     kinds, firsts = layer_kinds(parts.blocks)
-    per_kind = [[(n, p.shape) for n, p in parts.blocks[f].named_parameters() if p.requires_grad] for f in firsts]
+    per_kind = [[(n, p.shape) for n, p in flat_named(parts.blocks[f])] for f in firsts]
     return [per_kind[k] for k in kinds]
 
 
@@ -263,15 +296,20 @@ def layer_numels(parts: ModelParts) -> list[int]:
 
 def resident_named_params(parts: ModelParts, *, trained: bool = True) -> list[tuple[str, nn.Parameter]]:
     """Parameters outside the blocks (deduplicated: tied weights appear once) that are
-    trained (requires_grad), or with trained=False the frozen ones."""
+    trained (requires_grad), or with trained=False the frozen ones. The trained ones are
+    followed by the blocks' parameters kept in float32 (`held_named`): those are held on the
+    device and stepped with pre/post's, not streamed."""
     prefix = parts.blocks_prefix + "."
-    return [(n, p) for n, p in parts.model.named_parameters()
-            if not n.startswith(prefix) and p.requires_grad == trained]
+    outer = [(n, p) for n, p in parts.model.named_parameters()
+             if not n.startswith(prefix) and p.requires_grad == trained]
+    if not trained:
+        return outer
+    return outer + [(f"{prefix}{i}.{n}", p) for i, b in enumerate(parts.blocks) for n, p in held_named(b)]
 
 
-def trained(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters snake trains (requires_grad), in order: a layer's flat state."""
-    return [p for p in params if p.requires_grad]
+def trained(block: nn.Module) -> list[nn.Parameter]:
+    """A block's parameters in its flat state (`flat_named`), in order."""
+    return [p for _, p in flat_named(block)]
 
 
 def hidden_size(parts: ModelParts) -> int:

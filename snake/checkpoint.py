@@ -623,7 +623,7 @@ def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Call
 
 def _model_layer(parts: ModelParts) -> Callable[[int], torch.Tensor]:
     def read(layer: int) -> torch.Tensor:
-        params = trained(parts.blocks[layer].parameters())
+        params = trained(parts.blocks[layer])
         out = torch.zeros(3, sum(p.numel() for p in params), dtype=torch.float32)
         torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
         return out

@@ -345,7 +345,7 @@ class Engine:
         parts = self.kernels.parts
         scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
         for layer, block in enumerate(parts.blocks):
-            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in trained(block.parameters())])
+            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in trained(block)])
             off = 0
             for part, n in enumerate(self.layer_parts[layer]):
                 if not n:

@@ -14,14 +14,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from snake.adapters import ModelParts, layer_kinds, resident_named_params, takes_layer
+from snake.adapters import (
+    ModelParts,
+    flat_named,
+    held_named,
+    kept_fp32,
+    layer_kinds,
+    resident_named_params,
+    takes_layer,
+)
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
@@ -93,11 +101,18 @@ class Kernels:
         # per layer, its frozen parameters (requires_grad=False: on the device all run long,
         # never stepped) at their places in its kind's shell
         self.layer_frozen: list[list[tuple[list[tuple[nn.Module, str]], torch.Tensor]]] = [[] for _ in blocks]
+        # per layer, its trained parameters kept in float32 (`kept_fp32`: a router's gate in
+        # a bfloat16 model), at their places in its kind's shell, by index into the resident
+        # lists (they are held on the device and stepped with pre/post's)
+        self.layer_held: list[list[tuple[list[tuple[nn.Module, str]], int]]] = [[] for _ in blocks]
+        held_index = {n: i for i, (n, _) in enumerate(resident_named_params(parts))}
         for kind, first in enumerate(firsts):
             shell = _shell(blocks[first]).to(device=device, dtype=self.dtype)
+            kept = kept_fp32(blocks[first])
+            _keep_fp32(shell, blocks[first], kept, device)
             shell.train()
             self.calls.append(_BlockCall(shell, parts.block_fn))
-            spec = [(n, p) for n, p in blocks[first].named_parameters() if p.requires_grad]
+            spec = flat_named(blocks[first])
             self.kind_sites.append(_param_sites(shell, [n for n, _ in spec]))
             self.kind_shapes.append([p.shape for _, p in spec])
             self.kind_numels.append([p.numel() for _, p in spec])
@@ -107,6 +122,13 @@ class Kernels:
                 self.layer_attrs[i] = attrs
             for i, bufs in zip(mine, _layer_buffers(shell, [blocks[i] for i in mine], device), strict=True):
                 self.layer_buffers[i] = bufs
+            held = [n for n, _ in held_named(blocks[first])]
+            if held:
+                sites = _param_sites(shell, held)
+                for i in mine:
+                    self.layer_held[i] = [
+                        (where, held_index[f"{parts.blocks_prefix}.{i}.{n}"]) for n, where in zip(held, sites, strict=True)
+                    ]
             frozen = [n for n, p in blocks[first].named_parameters() if not p.requires_grad]
             if frozen:
                 sites = _param_sites(shell, frozen)
@@ -130,26 +152,34 @@ class Kernels:
         self.pre_mod = _Call(model, parts.pre)
         self.post_mod = _Call(model, parts.post)
         res = resident_named_params(parts)
+        prefix = parts.blocks_prefix + "."
+        # pre/post's own come first; the blocks' parameters kept in float32 follow
+        self.n_outer = sum(1 for n, _ in res if not n.startswith(prefix))
+        outer_kept = kept_fp32(model, skip=prefix)
         self.res_names = ["model." + n for n, _ in res]
         self.res_master = [p.detach().to("cpu", torch.float32).clone().reshape(-1) for _, p in res]
         self.res_shapes = [p.shape for _, p in res]
         self.res_m = [torch.zeros_like(p) for p in self.res_master]
         self.res_v = [torch.zeros_like(p) for p in self.res_master]
         self.res_dev = [
-            p.detach().to(device=device, dtype=self.dtype).clone().requires_grad_(True) for _, p in res
+            p.detach().to(device=device, dtype=torch.float32 if i >= self.n_outer or n in outer_kept else self.dtype)
+            .clone().requires_grad_(True)
+            for i, (n, p) in enumerate(res)
         ]
         self.res_grad = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for _, p in res]
         self.res_got = [False] * len(res)  # got a gradient this iteration
         self.res_skips = [0] * len(res)  # iterations without a gradient: steps missed
-        prefix = parts.blocks_prefix + "."
         self.res_buffers = {
             "model." + n: b.to(device)
             for n, b in model.named_buffers()
             if not n.startswith(prefix)
         }
         # frozen pre/post parameters (requires_grad=False): as they are, in compute dtype
+        # (but those kept in float32)
         self.res_buffers.update({
-            "model." + n: p.detach().to(device=device, dtype=self.dtype if p.is_floating_point() else p.dtype).clone()
+            "model." + n: p.detach().to(
+                device=device, dtype=self.dtype if p.is_floating_point() and n not in outer_kept else p.dtype
+            ).clone()
             for n, p in resident_named_params(parts, trained=False)
         })
 
@@ -195,6 +225,9 @@ class Kernels:
         for where, frozen in self.layer_frozen[layer]:
             for module, attr in where:
                 module._parameters[attr] = frozen  # type: ignore[assignment]
+        for where, i in self.layer_held[layer]:
+            for module, attr in where:
+                module._parameters[attr] = self.res_dev[i]  # type: ignore[assignment]
         for module, attr, value in self.layer_attrs[layer]:
             if value is _ABSENT:
                 module.__dict__.pop(attr, None)
@@ -209,12 +242,21 @@ class Kernels:
         return [v.view(s) for v, s in zip(pieces, self.kind_shapes[kind], strict=True)]
 
     def _res_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        d = dict(zip(self.res_names, tensors, strict=True))
+        """pre/post's parameters (`tensors`) and buffers by name, for functional_call."""
+        d = dict(zip(self.res_names[: self.n_outer], tensors, strict=True))
         d.update(self.res_buffers)
         return d
 
-    def _accumulate_resident(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        for i, (a, g) in enumerate(zip(self.res_grad, grads, strict=True)):
+    @property
+    def outer_dev(self) -> list[torch.Tensor]:
+        """pre/post's trained parameters on the device."""
+        return self.res_dev[: self.n_outer]
+
+    def _accumulate_resident(self, grads: Sequence[torch.Tensor | None], at: Sequence[int] | None = None) -> None:
+        """Add resident gradients (pre/post's in order, or those of the resident indices
+        `at`: a block's parameters kept in float32) into their fp32 accumulators."""
+        for i, g in zip(range(len(grads)) if at is None else at, grads, strict=True):
+            a = self.res_grad[i]
             if g is not None:
                 a.add_(g.reshape(-1).float(), alpha=1.0 / self.scale)
                 self.res_got[i] = True
@@ -222,7 +264,7 @@ class Kernels:
     # -- forward ----------------------------------------------------------------------
     def pre(self, idx: torch.Tensor, t: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, -1, m):
-            h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
+            h = functional_call(self.pre_mod, self._res_dict(self.outer_dev), (idx,))
         # detached: a hook can mark the embedding's output as needing gradients even under
         # no_grad (transformers' gradient_checkpointing_enable), and the copy of such a leaf
         # into the checkpoint buffers would pull them into autograd
@@ -244,7 +286,7 @@ class Kernels:
         its targets trained on, as in one big batch."""
         h = h.detach().requires_grad_(True)
         with torch.enable_grad(), self.rng(t, 10**6, m):
-            logits = functional_call(self.post_mod, self._res_dict(self.res_dev), (h,))
+            logits = functional_call(self.post_mod, self._res_dict(self.outer_dev), (h,))
             # the fp32 logits are not bound to a name: autograd keeps the log-softmax, and a
             # name would keep a second fp32 copy of the logits alive through the backward
             # (18 instead of 14 bytes per logit in bfloat16)
@@ -254,7 +296,7 @@ class Kernels:
             else:
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum") / trained
-            grads = torch.autograd.grad(loss * self.scale, [h, *self.res_dev], allow_unused=True)
+            grads = torch.autograd.grad(loss * self.scale, [h, *self.outer_dev], allow_unused=True)
         self._accumulate_resident(grads[1:])
         gh = grads[0]
         assert gh is not None
@@ -277,9 +319,14 @@ class Kernels:
         fp32 parameter gradient into `acc`; return the gradient into the block's input."""
         params = [v.detach().requires_grad_(True) for v in self.views(slot, layer)]
         x = x.detach().requires_grad_(True)
+        held = [i for _, i in self.layer_held[layer]]
         with torch.enable_grad(), self.rng(t, layer, m):
             y = self.bind(params, layer)(x, layer)
-            grads = torch.autograd.grad(y, [x, *params], grad_outputs=gy, allow_unused=True)
+            grads = torch.autograd.grad(y, [x, *params, *(self.res_dev[i] for i in held)], grad_outputs=gy,
+                                        allow_unused=True)
+        if held:
+            self._accumulate_resident(grads[len(grads) - len(held):], held)
+            grads = grads[: len(grads) - len(held)]
         kind = self.kinds[layer]
         n = self.kind_params[kind]
         if not accumulate and n < acc.numel():  # a smaller kind's slot: no stale rest
@@ -343,10 +390,10 @@ class Kernels:
 
     def pre_bwd(self, idx: torch.Tensor, gh: torch.Tensor, t: int, m: int) -> None:
         with torch.enable_grad(), self.rng(t, -1, m):
-            h = functional_call(self.pre_mod, self._res_dict(self.res_dev), (idx,))
-            if not self.res_dev or not h.requires_grad:  # pre trains no parameter (a frozen embedding)
+            h = functional_call(self.pre_mod, self._res_dict(self.outer_dev), (idx,))
+            if not self.outer_dev or not h.requires_grad:  # pre trains no parameter (a frozen embedding)
                 return
-            grads = torch.autograd.grad(h.to(self.dtype), self.res_dev, grad_outputs=gh, allow_unused=True)
+            grads = torch.autograd.grad(h.to(self.dtype), self.outer_dev, grad_outputs=gh, allow_unused=True)
         self._accumulate_resident(grads)
 
     # -- resident optimizer step --------------------------------------------------------
@@ -383,6 +430,22 @@ def _shell(block: nn.Module) -> nn.Module:
     own weights (one layer of memory per kind, on the device) would be waste."""
     memo: dict[int, object] = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype)) for p in block.parameters()}
     return copy.deepcopy(block, memo)
+
+
+def _keep_fp32(shell: nn.Module, block: nn.Module, kept: frozenset[str], device: torch.device) -> None:
+    """Put back in float32 what `block` keeps in float32 (`kept_fp32`) after the shell's
+    conversion to the compute dtype: parameter placeholders (bound per layer) and buffers
+    (as the block has them)."""
+    params = [n for n, _ in shell.named_parameters() if n in kept]
+    for where in _param_sites(shell, params):  # a weight tied inside the block: at every place
+        placeholder = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device))
+        for module, attr in where:
+            module._parameters[attr] = placeholder
+    for name in kept.difference(params):
+        owner, _, attr = name.rpartition(".")
+        module = shell.get_submodule(owner)
+        if attr in module._buffers:
+            module._buffers[attr] = block.get_buffer(name).detach().to(device).clone()
 
 
 _ABSENT = object()

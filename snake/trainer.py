@@ -174,15 +174,15 @@ class SnakeTrainer:
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}
         for key, value in model.state_dict().items():
+            if alias.get(key) in resident:  # pre/post's, and the blocks' kept in float32
+                out[key] = resident[alias[key]].clone()
+                continue
             if key.startswith(prefix):
                 i_str, _, pname = key[len(prefix) :].partition(".")
                 if pname in offsets[int(i_str)]:
                     o, shape = offsets[int(i_str)][pname]
                     out[key] = masters[int(i_str)][o : o + shape.numel()].view(shape).clone()
                     continue
-            elif alias.get(key) in resident:
-                out[key] = resident[alias[key]].clone()
-                continue
             # buffers and frozen parameters, as they are: fp32 as before the first run
             out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
         return out

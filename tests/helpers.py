@@ -61,6 +61,35 @@ async def train(model, data, steps: int, **config):
     return state, report, traffic
 
 
+def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01):
+    """Plain PyTorch mixed precision: the model computes in its own dtypes (bfloat16, with
+    whatever it keeps in float32), fp32 master weights, gradients summed over micro-batches in
+    fp32, torch AdamW on the masters, the masters cast back into the model after each step.
+    Returns the masters by parameter name."""
+    m = copy.deepcopy(model)
+    m.train()
+    named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    for x, y in data:
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            logits = m(xc)
+            logits = getattr(logits, "logits", logits)
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yc.reshape(-1)) / micro
+            for i, g in enumerate(torch.autograd.grad(loss, params, allow_unused=True)):
+                if g is not None:
+                    acc[i] = g.float() if acc[i] is None else acc[i] + g.float()
+        for master, g in zip(masters, acc, strict=True):
+            master.grad = g
+        opt.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters, strict=True):
+                p.copy_(master)
+    return {n: master.clone() for (n, _), master in zip(named, masters, strict=True)}
+
+
 def assert_close_state(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6, exact: dict | None = None) -> None:
     """got equals PyTorch's want within rtol / atol. With `exact` (the same training in
     float64): an element outside that may differ only by being nearer the exact value than

@@ -530,3 +530,27 @@ def test_block_fn_without_the_index_runs_uniform_layers_and_refuses_mixed_ones()
         mixed_parts = describe(mixed)
         with pytest.raises(ModelError, match=r"differ by attention type.*layer=i"):
             mixed_parts.block_fn(mixed.model.layers[0], mixed_parts.pre(mixed, idx))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["deepseekv3", "glm4moe"])
+async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_path, kind):
+    """Built in bfloat16, these keep each router's gate weight and bias in float32
+    (`_keep_in_fp32_modules_strict`); snake used to run them in bfloat16. It keeps them
+    float32 and gives plain PyTorch mixed precision's weights (fp32 masters, AdamW)."""
+    from tests.helpers import mixed_reference
+
+    fp32 = make(kind)
+    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16)
+    model.load_state_dict(fp32.state_dict())
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = mixed_reference(model, data, 2)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.3, device="cpu", dtype="bfloat16")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(3), timeout=120)
+        got = await trainer.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -16,6 +16,7 @@ from tests.helpers import (
     assert_tracks_updates,
     batches,
     kinds_parts,
+    mixed_reference,
     reference,
     tiny_gpt,
     train,
@@ -674,3 +675,106 @@ async def test_missed_steps_resume_exactly_from_a_checkpoint(tmp_path):
         await t.run(3)
         got = await t.state_dict()
     assert_close_state(got, want)
+
+
+_SEEN_DTYPES: list[tuple[torch.dtype, torch.dtype]] = []
+
+
+class _GatedBlock(torch.nn.Module):
+    """Two experts mixed by a router whose gate weight and bias a bfloat16 model keeps in
+    float32 (as transformers keeps DeepSeek V3's); records the dtypes the router sees."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(d, 2, bias=False)
+        self.register_buffer("route_bias", torch.zeros(2))
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        _SEEN_DTYPES.append((self.gate.weight.dtype, self.route_bias.dtype))
+        w = torch.softmax(torch.nn.functional.linear(h.float(), self.gate.weight.float()) + self.route_bias, -1)
+        w = w.to(h.dtype)
+        return h + sum(w[..., e : e + 1] * torch.tanh(x(h)) for e, x in enumerate(self.experts))
+
+
+class _GatedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 16)
+        self.layers = torch.nn.ModuleList(_GatedBlock() for _ in range(3))
+        self.head = torch.nn.Linear(16, 96)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return _gated_post(self, h)
+
+
+def _gated_post(m: _GatedLM, h: torch.Tensor) -> torch.Tensor:
+    return m.head(h.to(m.head.weight.dtype))
+
+
+def _gated_model() -> _GatedLM:
+    """bfloat16, but the routers' gates and biases (and the head) in float32."""
+    torch.manual_seed(0)
+    model = _GatedLM().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    for layer in model.layers:
+        layer.gate.float()
+        layer.route_bias = 0.1 * torch.randn(2, generator=g)
+    model.head.float()
+    return model
+
+
+def _gated_parts(model: _GatedLM) -> ModelParts:
+    return ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                      pre=lambda m, i: m.embed(i), post=_gated_post)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_what_a_bf16_model_keeps_in_fp32_stays_fp32(tmp_path, schedule):
+    """A bfloat16 model's router gate and bias in float32 (transformers'
+    `_keep_in_fp32_modules`) were run in bfloat16: 2.6 % off plain PyTorch mixed precision's
+    updates. They stay float32 now (the gates held on the device with pre/post's), and the
+    weights are plain PyTorch mixed precision's (fp32 masters, AdamW) to the bit as measured
+    (atol 1e-6 here)."""
+    model = _gated_model()
+    data = batches(4, 4)
+    want = mixed_reference(model, data, 2)
+    _SEEN_DTYPES.clear()
+    got, _, _ = await train(_gated_parts(model), data, 4, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, dtype="bfloat16",
+                            schedule=schedule)
+    assert set(_SEEN_DTYPES) == {(torch.float32, torch.float32)}
+    assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
+    assert torch.equal(got["layers.1.route_bias"], model.layers[1].route_bias)
+
+
+@pytest.mark.asyncio
+async def test_what_a_bf16_model_keeps_in_fp32_resumes_exactly(tmp_path):
+    """The held gates' optimizer state goes into checkpoints with pre/post's (and a float32
+    model of the same architecture still streams them with the rest of each layer)."""
+    from snake import SnakeConfig, SnakeTrainer
+    from snake.adapters import layer_specs
+
+    model = _gated_model()
+    data = batches(4, 4)
+    want = mixed_reference(model, data, 2)
+
+    def cfg(name: str) -> SnakeConfig:
+        return SnakeConfig(device="cpu", offload_dir=tmp_path / name, micro_batches=2, dtype="bfloat16",
+                           placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
+
+    async with SnakeTrainer(_gated_parts(copy.deepcopy(model)), data=data, config=cfg("a")) as t:
+        await t.run(2)
+        await t.save(tmp_path / "ckpt")
+    async with SnakeTrainer(_gated_parts(copy.deepcopy(model)), data=data, config=cfg("b")) as t:
+        await t.load(tmp_path / "ckpt")
+        await t.run(2)
+        got = await t.state_dict()
+    assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
+    assert [n for n, _ in layer_specs(_gated_parts(model))[0]] == [
+        "experts.0.weight", "experts.0.bias", "experts.1.weight", "experts.1.bias"]
+    assert "gate.weight" in [n for n, _ in layer_specs(_gated_parts(_GatedLM()))[0]]
