@@ -126,7 +126,13 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     """The ModelShape of any described model (`snake.adapters.describe`): its block's and its
     resident parameters, counted; its hidden size and vocabulary, read from its embedding's
     and its head's outputs on one token."""
-    from snake.adapters import hidden_size, layer_numels, resident_named_params, vocab_size
+    from snake.adapters import (
+        hidden_size,
+        kept_fp32_params,
+        layer_numels,
+        resident_named_params,
+        vocab_size,
+    )
 
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
@@ -137,6 +143,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         layer_params=-(-sum(sizes) // len(sizes)),  # layers of several kinds: their mean
         largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
         frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad),
+        fp32_params=kept_fp32_params(parts),
         ckpt_elems=tokens * hidden_size(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
         tokens_per_micro=tokens,

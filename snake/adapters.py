@@ -266,6 +266,18 @@ def kept_fp32(module: nn.Module, *, skip: str | None = None) -> frozenset[str]:
     return frozenset(n for n, t in tensors if t.dtype == torch.float32)
 
 
+def kept_fp32_params(parts: ModelParts) -> int:
+    """Elements of the parameters (trained or frozen) held on the compute device in float32
+    whatever the compute dtype (`kept_fp32`): the blocks' and pre/post's."""
+    prefix = parts.blocks_prefix + "."
+    n = sum(p.numel() for name, p in parts.model.named_parameters()
+            if not name.startswith(prefix) and name in kept_fp32(parts.model, skip=prefix))
+    for b in parts.blocks:
+        kept = kept_fp32(b)
+        n += sum(p.numel() for name, p in b.named_parameters() if name in kept)
+    return n
+
+
 def flat_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """A block's parameters in its flat state, streamed and stepped as one: the trained ones
     (requires_grad) in `named_parameters` order, less those kept in float32 (`kept_fp32`:

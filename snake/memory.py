@@ -31,7 +31,9 @@ class ModelShape:
     resident_params: pre/post elements (embeddings, head). tokens_per_micro: target tokens
     of one micro-batch. vocab_size: logits per token of the head (0: a model without
     one). frozen_params: elements of the frozen parameters (requires_grad=False), held on
-    the compute device all run long."""
+    the compute device all run long. fp32_params: elements of the resident and frozen
+    parameters held there in float32 whatever the compute dtype (`snake.adapters.kept_fp32`:
+    a bf16 model's router gates), counted in `resident_params` / `frozen_params` too."""
 
     n_layers: int
     layer_params: int
@@ -42,6 +44,7 @@ class ModelShape:
     vocab_size: int
     largest_layer_params: int | None = None
     frozen_params: int = 0
+    fp32_params: int = 0
 
     @property
     def largest(self) -> int:
@@ -161,7 +164,7 @@ HEAD_FP32_BYTES_PER_LOGIT = 12
 
 def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSizes()) -> float:
     """Device bytes: parameter slots, one fp32 gradient accumulator, resident pre/post with
-    fp32 gradients, the frozen parameters, and the working set of one micro-batch's compute:
+    fp32 gradients, the frozen parameters (those kept in fp32 at 4 bytes), and the working set of one micro-batch's compute:
     - a few micro-batches' block inputs and the block's internals (~ 16 x the block input
       for a GPT block during recompute + backward);
     - the parameter gradients as autograd returns them (a layer's, and pre/post's: the
@@ -179,6 +182,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
         + 2 * p * 4
         + shape.resident_params * (db + 4)
         + shape.frozen_params * db
+        + shape.fp32_params * (4 - db)
         + (n_micro + 4) * c * db
         + 16 * c * 4
         + 3 * (p + shape.resident_params) * db

@@ -778,3 +778,17 @@ async def test_what_a_bf16_model_keeps_in_fp32_resumes_exactly(tmp_path):
     assert [n for n, _ in layer_specs(_gated_parts(model))[0]] == [
         "experts.0.weight", "experts.0.bias", "experts.1.weight", "experts.1.bias"]
     assert "gate.weight" in [n for n, _ in layer_specs(_gated_parts(_GatedLM()))[0]]
+
+
+def test_the_memory_model_counts_what_is_kept_in_fp32_at_4_bytes():
+    import dataclasses
+
+    from planner.profile import shape_of_parts
+    from snake.memory import device_memory
+
+    shape = shape_of_parts(_gated_parts(_gated_model()), 2, 16, "bfloat16")
+    assert shape.fp32_params == 3 * 2 * 16 + 96 * 16 + 96  # the gates and the head
+    assert shape.resident_params == 96 * 16 + 3 * 2 * 16 + 96 * 16 + 96  # the embedding too
+    less = dataclasses.replace(shape, fp32_params=0)
+    assert device_memory(shape, n_micro=2) - device_memory(less, n_micro=2) == 2 * shape.fp32_params
+    assert shape_of_parts(_gated_parts(_GatedLM()), 2, 16, "bfloat16").fp32_params == 0  # a float32 model
