@@ -126,9 +126,13 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
     )
 
 
-def _units(shape) -> tuple[float, float, float, float]:
+def _units(shape) -> tuple[float, float, float, float, float]:
+    """Per layer: trained elements, their bytes, a checkpoint's bytes, the optimizer state's
+    bytes, and the bytes of a parameter load to the device (the streamed frozen parameters
+    too, from CPU memory)."""
     p = shape.layer_params
-    return p, p * shape.dtype_bytes, shape.ckpt_elems * shape.dtype_bytes, p * OPT_BYTES_PER_ELEM
+    pb = p * shape.dtype_bytes
+    return p, pb, shape.ckpt_elems * shape.dtype_bytes, p * OPT_BYTES_PER_ELEM, pb + shape.layer_frozen_params * shape.dtype_bytes
 
 
 def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
@@ -140,7 +144,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     delayed alpha share of the optimizer step (opt read + written, param tail written).
     Backward: params, n checkpoints and n-1 inter-layer gradients in; n-1 gradients and the
     fp32 layer gradient (once) out; the (1 - alpha) share of the optimizer step."""
-    p, pb, cb, ob = _units(profile.shape)
+    p, pb, cb, ob, lb = _units(profile.shape)
     a = alpha
     # SSD operations: with a delayed share (alpha > 0) params and optimizer states are two
     # units per layer (the step's now and delayed parts), each loaded and written on its own
@@ -148,7 +152,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
-        h2d_bytes=pb + (n - 1) * cb,
+        h2d_bytes=lb + (n - 1) * cb,
         d2h_bytes=n * cb,
         ssd_read=(pb, 0.0, a * ob),
         ssd_write=(a * pb, n * cb, a * ob),
@@ -157,7 +161,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
         adam_elems=(1 - a) * p,
-        h2d_bytes=pb + n * cb + (n - 1) * cb,
+        h2d_bytes=lb + n * cb + (n - 1) * cb,
         d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
         ssd_read=(pb, n * cb, (1 - a) * ob),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob),
@@ -172,7 +176,7 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     next layer and is offloaded once; fp32 gradients go to CPU memory every micro-batch (4P
     bytes) and are accumulated there. The optimizer step of a layer overlaps only the last
     micro-batch's backward; its delayed alpha share the first micro-batch's forward."""
-    p, pb, cb, ob = _units(profile.shape)
+    p, pb, cb, ob, lb = _units(profile.shape)
     a = alpha
     f, rb = profile.fwd_seconds, profile.recompute_seconds + profile.bwd_seconds
     grads = GRAD_BYTES_PER_ELEM * p
@@ -182,12 +186,12 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     def fwd(first: bool) -> Traffic:
         s = a if first else 0.0
         ops = (split + (s > 0), 1, 2 * (s > 0))
-        return Traffic(f, s * p, pb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob), ops)
+        return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob), ops)
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
         ops = (split + (s > 0), 1, 2 * (s > 0))
-        return Traffic(rb, s * p, pb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob), ops)
+        return Traffic(rb, s * p, lb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob), ops)
 
     phases = (
         phase(profile, "fwd_first", 1, fwd(True)),

@@ -24,6 +24,7 @@ from snake.adapters import (
     ModelParts,
     call_block,
     describe,
+    frozen_named,
     hidden_size,
     layer_kinds,
     trained,
@@ -141,7 +142,9 @@ def _kind_seconds(
     # the runtime's own kernels (the shell block bound to a device slot, RNG seeding, fp32
     # gradient accumulation), so the profile includes what the compute actor really pays
     kernels = _kernels(parts, device, dtype)
-    slots = [torch.cat([p.detach().reshape(-1) for p in trained(b)]) for b in blocks]
+    # as the device mover fills them: the trained parameters, then the streamed frozen ones
+    slots = [torch.cat([p.detach().reshape(-1) for p in [*trained(b), *(q for _, q in frozen_named(b))]])
+             for b in blocks]
     acc = torch.zeros(kernels.layer_params, dtype=torch.float32, device=device)
 
     def next_slot() -> tuple[torch.Tensor, int]:

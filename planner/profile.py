@@ -127,6 +127,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     resident parameters, counted; its hidden size and vocabulary, read from its embedding's
     and its head's outputs on one token."""
     from snake.adapters import (
+        frozen_named,
         hidden_size,
         kept_fp32_params,
         layer_numels,
@@ -138,11 +139,16 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
     tokens = micro_batch_size * seq_len
     sizes = layer_numels(parts)
+    frozen = [sum(p.numel() for _, p in frozen_named(b)) for b in parts.blocks]  # streamed with the layer
+    slots = [p + f for p, f in zip(sizes, frozen, strict=True)]
     return ModelShape(
         n_layers=len(parts.blocks),
         layer_params=-(-sum(sizes) // len(sizes)),  # layers of several kinds: their mean
         largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
-        frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad),
+        layer_frozen_params=-(-sum(frozen) // len(frozen)),
+        largest_slot_params=max(slots) if len(set(slots)) > 1 else None,
+        # held on the device: pre/post's frozen parameters and the blocks' kept in fp32
+        frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad) - sum(frozen),
         fp32_params=kept_fp32_params(parts),
         ckpt_elems=tokens * hidden_size(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),

@@ -286,6 +286,13 @@ def flat_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in block.named_parameters() if p.requires_grad and n not in kept]
 
 
+def frozen_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A block's frozen parameters (requires_grad=False) that stream with its layer, in the
+    compute dtype: all but those kept in float32 (`kept_fp32`: held on the device)."""
+    kept = kept_fp32(block)
+    return [(n, p) for n, p in block.named_parameters() if not p.requires_grad and n not in kept]
+
+
 def held_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """A block's trained parameters kept in float32 (`kept_fp32`), held on the device."""
     kept = kept_fp32(block)

@@ -265,7 +265,9 @@ class Engine:
         }
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(
             "device_params",
-            [torch.empty(self.P, dtype=self.dtype, device=self.device) for _ in range(sizes.device_param_slots)],
+            # a layer's trained parameters, then its streamed frozen ones (Kernels.slot_params)
+            [torch.empty(self.kernels.slot_params, dtype=self.dtype, device=self.device)
+             for _ in range(sizes.device_param_slots)],
         )
         # vertical on a CPU device: the host gradient buffers' memory serves as more slots
         n_grad = 2 + (sizes.grad_buffers if self.slot_grads() else 0)

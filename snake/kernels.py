@@ -24,12 +24,14 @@ from torch.func import functional_call
 from snake.adapters import (
     ModelParts,
     flat_named,
+    frozen_named,
     held_named,
     kept_fp32,
     layer_kinds,
     resident_named_params,
     takes_layer,
 )
+from snake.buffers import alloc_host_tensor
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
@@ -98,9 +100,17 @@ class Kernels:
         # the layers of the kind differ (`_layer_attrs`, `_layer_buffers`)
         self.layer_attrs: list[list[tuple[nn.Module, str, object]]] = [[] for _ in blocks]
         self.layer_buffers: list[list[tuple[nn.Module, str, torch.Tensor]]] = [[] for _ in blocks]
-        # per layer, its frozen parameters (requires_grad=False: on the device all run long,
-        # never stepped) at their places in its kind's shell
+        # per layer, its frozen parameters kept in float32 (requires_grad=False, `kept_fp32`:
+        # on the device all run long, never stepped) at their places in its kind's shell
         self.layer_frozen: list[list[tuple[list[tuple[nn.Module, str]], torch.Tensor]]] = [[] for _ in blocks]
+        # the other frozen parameters stream with the layer (`frozen_named`): per kind their
+        # places, shapes and sizes; per layer one flat copy in CPU memory in the compute dtype
+        # (pinned on CUDA), which the device mover copies into the layer's device slot after
+        # its trained parameters (`frozen_views`)
+        self.kind_frozen_sites: list[list[list[tuple[nn.Module, str]]]] = []
+        self.kind_frozen_shapes: list[list[torch.Size]] = []
+        self.kind_frozen_numels: list[list[int]] = []
+        self.frozen_host: list[torch.Tensor | None] = [None for _ in blocks]
         # per layer, its trained parameters kept in float32 (`kept_fp32`: a router's gate in
         # a bfloat16 model), at their places in its kind's shell, by index into the resident
         # lists (they are held on the device and stepped with pre/post's)
@@ -129,20 +139,33 @@ class Kernels:
                     self.layer_held[i] = [
                         (where, held_index[f"{parts.blocks_prefix}.{i}.{n}"]) for n, where in zip(held, sites, strict=True)
                     ]
-            frozen = [n for n, p in blocks[first].named_parameters() if not p.requires_grad]
+            frozen = [n for n, p in blocks[first].named_parameters() if not p.requires_grad and n in kept]
             if frozen:
                 sites = _param_sites(shell, frozen)
-                placeholders = dict(shell.named_parameters())
                 for i in mine:
                     own = dict(blocks[i].named_parameters())
                     self.layer_frozen[i] = [
-                        (where, own[n].detach().to(device=device, dtype=placeholders[n].dtype).clone())
+                        (where, own[n].detach().to(device=device, dtype=torch.float32).clone())
                         for n, where in zip(frozen, sites, strict=True)
                     ]
+            streamed = frozen_named(blocks[first])
+            self.kind_frozen_sites.append(_param_sites(shell, [n for n, _ in streamed]))
+            self.kind_frozen_shapes.append([p.shape for _, p in streamed])
+            self.kind_frozen_numels.append([p.numel() for _, p in streamed])
+            if streamed:
+                for i in mine:
+                    own = dict(blocks[i].named_parameters())
+                    flat = alloc_host_tensor(sum(p.numel() for _, p in streamed), self.dtype, pin=device.type == "cuda")
+                    torch.cat([own[n].detach().reshape(-1).to("cpu", self.dtype) for n, _ in streamed], out=flat)
+                    self.frozen_host[i] = flat
         self.kind_params = [sum(n) for n in self.kind_numels]
-        # the largest layer's elements: the size of the device slots every layer passes
-        # through (a smaller kind's parameters and gradients take the slot's first elements)
+        self.kind_frozen = [sum(n) for n in self.kind_frozen_numels]
+        # the largest layer's trained elements: the size of the gradient buffers (a smaller
+        # kind's gradients take their first elements)
         self.layer_params = max(self.kind_params)
+        # the size of the device slots every layer passes through: its trained parameters,
+        # then its streamed frozen ones
+        self.slot_params = max(p + f for p, f in zip(self.kind_params, self.kind_frozen, strict=True))
         # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
         model = parts.model
         # training mode for pre/post (dropout) while the engine lives; the user's modes come
@@ -209,9 +232,10 @@ class Kernels:
             for g, state in zip(self.generators, states, strict=True):
                 g.set_state(state)
 
-    def bind(self, tensors: list[torch.Tensor], layer: int) -> nn.Module:
+    def bind(self, tensors: list[torch.Tensor], layer: int, frozen: Sequence[torch.Tensor] = ()) -> nn.Module:
         """The shell block of `layer`'s kind as layer `layer`: `tensors` as its trained
-        parameters (in `named_parameters` order), its frozen ones, and that layer's own
+        parameters (in `named_parameters` order), `frozen` as its streamed frozen ones
+        (`frozen_views`), those it holds (kept in float32), and that layer's own
         values of the buffers and scalar attributes in which the layers of its kind differ
         (`_layer_buffers`, `_layer_attrs`). Sets the parameters straight
         into the submodules' parameter dicts: `functional_call` walks and swaps the module
@@ -220,11 +244,14 @@ class Kernels:
         for sites, tensor in zip(self.kind_sites[kind], tensors, strict=True):
             for module, attr in sites:
                 module._parameters[attr] = tensor  # type: ignore[assignment]
+        for sites, tensor in zip(self.kind_frozen_sites[kind], frozen, strict=True):
+            for module, attr in sites:
+                module._parameters[attr] = tensor  # type: ignore[assignment]
         for module, attr, buf in self.layer_buffers[layer]:
             module._buffers[attr] = buf
-        for where, frozen in self.layer_frozen[layer]:
+        for where, kept in self.layer_frozen[layer]:
             for module, attr in where:
-                module._parameters[attr] = frozen  # type: ignore[assignment]
+                module._parameters[attr] = kept  # type: ignore[assignment]
         for where, i in self.layer_held[layer]:
             for module, attr in where:
                 module._parameters[attr] = self.res_dev[i]  # type: ignore[assignment]
@@ -240,6 +267,20 @@ class Kernels:
         kind = self.kinds[layer]
         pieces = flat[: self.kind_params[kind]].split(self.kind_numels[kind])
         return [v.view(s) for v, s in zip(pieces, self.kind_shapes[kind], strict=True)]
+
+    def frozen_views(self, slot: torch.Tensor, layer: int) -> list[torch.Tensor]:
+        """`layer`'s streamed frozen parameters: views of the slot after its trained ones,
+        where the device mover copied them, or of their CPU copy where the slot is shorter (a
+        view of the CPU store on a CPU device: nothing was copied)."""
+        kind = self.kinds[layer]
+        p, f = self.kind_params[kind], self.kind_frozen[kind]
+        if not f:
+            return []
+        host = self.frozen_host[layer]
+        assert host is not None
+        flat = slot[p : p + f] if slot.numel() >= p + f else host
+        return [v.view(s) for v, s in zip(flat.split(self.kind_frozen_numels[kind]), self.kind_frozen_shapes[kind],
+                                          strict=True)]
 
     def _res_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """pre/post's parameters (`tensors`) and buffers by name, for functional_call."""
@@ -272,7 +313,7 @@ class Kernels:
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         with torch.no_grad(), self.rng(t, layer, m):
-            y = self.bind(self.views(slot, layer), layer)(x, layer)
+            y = self.bind(self.views(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
         return y.contiguous()
 
     def head(
@@ -321,7 +362,7 @@ class Kernels:
         x = x.detach().requires_grad_(True)
         held = [i for _, i in self.layer_held[layer]]
         with torch.enable_grad(), self.rng(t, layer, m):
-            y = self.bind(params, layer)(x, layer)
+            y = self.bind(params, layer, self.frozen_views(slot, layer))(x, layer)
             grads = torch.autograd.grad(y, [x, *params, *(self.res_dev[i] for i in held)], grad_outputs=gy,
                                         allow_unused=True)
         if held:

@@ -30,10 +30,15 @@ class ModelShape:
     ckpt_elems: elements of one block's input for one micro-batch (batch x seq x hidden).
     resident_params: pre/post elements (embeddings, head). tokens_per_micro: target tokens
     of one micro-batch. vocab_size: logits per token of the head (0: a model without
-    one). frozen_params: elements of the frozen parameters (requires_grad=False), held on
-    the compute device all run long. fp32_params: elements of the resident and frozen
-    parameters held there in float32 whatever the compute dtype (`snake.adapters.kept_fp32`:
-    a bf16 model's router gates), counted in `resident_params` / `frozen_params` too."""
+    one). frozen_params: elements of the frozen parameters (requires_grad=False) held on
+    the compute device all run long: pre/post's, and the blocks' kept in float32.
+    layer_frozen_params: elements of a block's other frozen parameters, which stream with
+    its layer from one copy in CPU memory (the mean over the layers);
+    largest_slot_params: a layer's trained plus streamed frozen elements at the largest,
+    where that is not largest + layer_frozen_params (what the device slots are sized for).
+    fp32_params: elements of the resident and frozen parameters held on the device in
+    float32 whatever the compute dtype (`snake.adapters.kept_fp32`: a bf16 model's router
+    gates), counted in `resident_params` / `frozen_params` too."""
 
     n_layers: int
     layer_params: int
@@ -45,11 +50,19 @@ class ModelShape:
     largest_layer_params: int | None = None
     frozen_params: int = 0
     fp32_params: int = 0
+    layer_frozen_params: int = 0
+    largest_slot_params: int | None = None
 
     @property
     def largest(self) -> int:
-        """Elements of the largest block."""
+        """Trained elements of the largest block."""
         return self.largest_layer_params or self.layer_params
+
+    @property
+    def slot(self) -> int:
+        """Elements of a device parameter slot: the largest layer's trained and streamed frozen
+        parameters."""
+        return self.largest_slot_params or self.largest + self.layer_frozen_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +113,9 @@ def host_memory(
     count bounded by (1 - share) x n_micro + 1 per pool and stage). Plus kinds that always live in CPU
     memory: inter-layer gradients (vertical: two layers' worth), gradients (vertical: a few whole-layer buffers and the
     delayed alpha share of every layer, partly in the memory of the CPU-resident delayed
-    parameters; horizontal: one fp32 accumulator per layer), and the
-    resident pre/post optimizer state. Page padding of tails is ignored (< ALIGN per buffer).
+    parameters; horizontal: one fp32 accumulator per layer), the
+    resident pre/post optimizer state, and the blocks' streamed frozen parameters (one copy
+    in the compute dtype). Page padding of tails is ignored (< ALIGN per buffer).
 
     ckpt_in_cpu: the model for every checkpoint in CPU memory (valid at ckpt share 1 only):
     no checkpoint staging pools, so exact there, where the general model's bound on the
@@ -138,7 +152,8 @@ def host_memory(
     else:
         grads = (n * p + (big if grad_staging else 0)) * 4
     resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
-    fixed = tails + act_grads + grads + resident + 16 * ALIGN
+    frozen = n * shape.layer_frozen_params * db  # the streamed frozen parameters' CPU copies
+    fixed = tails + act_grads + grads + resident + frozen + 16 * ALIGN
     return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
 
 
@@ -178,7 +193,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
     p, c, db = shape.largest, shape.ckpt_elems, shape.dtype_bytes
     head = shape.tokens_per_micro * shape.vocab_size * (db + HEAD_FP32_BYTES_PER_LOGIT)
     return float(
-        pools.device_param_slots * p * db
+        pools.device_param_slots * shape.slot * db
         + 2 * p * 4
         + shape.resident_params * (db + 4)
         + shape.frozen_params * db

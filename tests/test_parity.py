@@ -792,3 +792,89 @@ def test_the_memory_model_counts_what_is_kept_in_fp32_at_4_bytes():
     less = dataclasses.replace(shape, fp32_params=0)
     assert device_memory(shape, n_micro=2) - device_memory(less, n_micro=2) == 2 * shape.fp32_params
     assert shape_of_parts(_gated_parts(_GatedLM()), 2, 16, "bfloat16").fp32_params == 0  # a float32 model
+
+
+class _LoraBlock(torch.nn.Module):
+    """A frozen base layer with a trained low-rank update (LoRA) and a trained norm."""
+
+    def __init__(self, d: int = 16, r: int = 2) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.base = torch.nn.Linear(d, d)
+        self.down = torch.nn.Linear(d, r, bias=False)
+        self.up = torch.nn.Linear(r, d, bias=False)
+        torch.nn.init.normal_(self.up.weight, std=0.1)  # LoRA starts B at 0; here the update is seen at once
+        self.base.requires_grad_(False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        return h + torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class _LoraLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 16)
+        self.layers = torch.nn.ModuleList(_LoraBlock() for _ in range(3))
+        self.head = torch.nn.Linear(16, 96)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("placement", ["all_cpu", "mixed"])
+async def test_frozen_layer_weights_stream_with_the_layer(tmp_path, schedule, placement):
+    """A block's frozen weights (LoRA's base layers) were held on the compute device, one
+    copy per layer, all run long: a model whose frozen weights do not fit there could not be
+    fine-tuned. They stay in CPU memory now and reach the device with the layer's trained
+    parameters, in its slot. Same weights as plain PyTorch, the frozen ones untouched."""
+    from snake import SnakeConfig, SnakeTrainer
+
+    torch.manual_seed(0)
+    model = _LoraLM()
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=2, alpha=0.3, schedule=schedule,
+                      placement=Placement.all_cpu() if placement == "all_cpu" else Placement(param=0.5, ckpt=0.5, opt=0.5))
+    async with SnakeTrainer(parts, data=data, config=cfg) as t:
+        await t.run(3)
+        got = await t.state_dict()
+        k = t.engine.kernels
+        assert k.layer_frozen == [[], [], []]  # nothing held per layer
+        assert [f.numel() for f in k.frozen_host] == [16 * 16 + 16] * 3
+        assert k.slot_params == (2 * 16 + 2 * 16 * 2) + (16 * 16 + 16)
+        to_device = t.traffic()[("cpu", "gpu", "param")]
+    assert_close_state(got, want)
+    assert torch.equal(got["layers.1.base.weight"], model.layers[1].base.weight)
+    loads = 2 * 3 if schedule == "vertical" else 2 * 3 * 2  # per layer: forward, backward (x M horizontal)
+    trained_bytes = (2 * 16 + 2 * 16 * 2) * 4
+    frozen_bytes = (16 * 16 + 16) * 4 if placement == "mixed" else 0  # all in CPU memory: bound in place
+    assert to_device == loads * (trained_bytes + frozen_bytes)
+
+
+def test_the_memory_model_streams_frozen_layer_weights():
+    """A LoRA model's frozen base weights count in CPU memory, once, and in the device's
+    parameter slots only: not once per layer on the device."""
+    import dataclasses
+
+    from planner.profile import shape_of_parts
+    from snake.memory import PoolSizes, device_memory, host_memory
+
+    model = _LoraLM()
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    shape = shape_of_parts(parts, 2, 16, "float32")
+    assert (shape.layer_params, shape.layer_frozen_params, shape.frozen_params) == (96, 272, 0)
+    assert shape.slot == 96 + 272
+    none = dataclasses.replace(shape, layer_frozen_params=0)
+    slots = device_memory(shape, n_micro=2) - device_memory(none, n_micro=2)
+    assert slots == PoolSizes().device_param_slots * 272 * 4  # the slots', not every layer's
+    host = host_memory(shape, n_micro=2, schedule="vertical", workers=2, alpha=0.0)
+    assert host.fixed_bytes - host_memory(none, n_micro=2, schedule="vertical", workers=2, alpha=0.0).fixed_bytes == 3 * 272 * 4

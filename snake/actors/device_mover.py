@@ -112,7 +112,11 @@ class HostToDevice(Actor):
                     tails.append(msg)
                     pairs.append((slot[off + u.k : off + n], store.tail(u, msg.buf)[0]))
                 off += n
-            nbytes = e.layer_P[layer] * store.esize
+            frozen = e.kernels.frozen_host[layer]
+            if frozen is not None:  # the layer's streamed frozen parameters, after its trained ones
+                pairs.append((slot[off : off + frozen.numel()], frozen))
+                off += frozen.numel()
+            nbytes = off * store.esize
             try:
                 await e.link_wait("cpu->gpu", nbytes)
                 await self.work(e.executors["h2d"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
