@@ -158,6 +158,7 @@ class Kernels:
                     flat = alloc_host_tensor(sum(p.numel() for _, p in streamed), self.dtype, pin=device.type == "cuda")
                     torch.cat([own[n].detach().reshape(-1).to("cpu", self.dtype) for n, _ in streamed], out=flat)
                     self.frozen_host[i] = flat
+                    _share_frozen(flat, [own[n] for n, _ in streamed])
         self.kind_params = [sum(n) for n in self.kind_numels]
         self.kind_frozen = [sum(n) for n in self.kind_frozen_numels]
         # the largest layer's trained elements: the size of the gradient buffers (a smaller
@@ -471,6 +472,20 @@ def _shell(block: nn.Module) -> nn.Module:
     own weights (one layer of memory per kind, on the device) would be waste."""
     memo: dict[int, object] = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype)) for p in block.parameters()}
     return copy.deepcopy(block, memo)
+
+
+def _share_frozen(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """Point the model's frozen parameters at snake's CPU copy of them, `flat` (the same
+    values), where they are CPU tensors of its dtype: the frozen weights of a LoRA-style
+    fine-tune, most of the model, are then not held twice in CPU memory. Where they differ
+    in dtype (a float32 model computed in bfloat16) the model keeps its own."""
+    if not all(p.dtype == flat.dtype and p.device.type == "cpu" for p in params):
+        return
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            p.data = flat[off : off + p.numel()].view(p.shape)
+            off += p.numel()
 
 
 def _keep_fp32(shell: nn.Module, block: nn.Module, kept: frozenset[str], device: torch.device) -> None:

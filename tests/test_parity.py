@@ -853,6 +853,10 @@ async def test_frozen_layer_weights_stream_with_the_layer(tmp_path, schedule, pl
         to_device = t.traffic()[("cpu", "gpu", "param")]
     assert_close_state(got, want)
     assert torch.equal(got["layers.1.base.weight"], model.layers[1].base.weight)
+    # the model's frozen weights are snake's CPU copy (same values), not a second one
+    host = k.frozen_host[1]
+    assert host.data_ptr() <= model.layers[1].base.weight.data_ptr() < host.data_ptr() + host.numel() * 4
+    assert torch.equal(model.layers[1].base.weight, want["layers.1.base.weight"])
     loads = 2 * 3 if schedule == "vertical" else 2 * 3 * 2  # per layer: forward, backward (x M horizontal)
     trained_bytes = (2 * 16 + 2 * 16 * 2) * 4
     frozen_bytes = (16 * 16 + 16) * 4 if placement == "mixed" else 0  # all in CPU memory: bound in place
