@@ -121,3 +121,30 @@ async def test_queued_jobs_on_cuda_match_pytorch_and_trace_gpu_time(tmp_path, sc
             src = f"fwd L{int(layer[1:]) - 1} {mb}"
             assert cp.start_s >= made[src][seen[src]].end_s, cp.name
             seen[src] += 1
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_frozen_layer_weights_stream_on_cuda(tmp_path, schedule):
+    """A LoRA-style model on the GPU: the frozen base weights come from pinned CPU memory
+    into each layer's slot (not held on the device); the same weights as PyTorch on the GPU."""
+    from snake import ModelParts
+    from tests.test_parity import _LoraLM
+
+    torch.manual_seed(0)
+    model = _LoraLM()
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2, device="cuda")
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.3, schedule=schedule, device="cuda")
+    async with SnakeTrainer(parts, data=data, config=cfg) as trainer:
+        await trainer.run(3)
+        got = await trainer.state_dict()
+        k = trainer.engine.kernels
+        assert all(f is not None and f.is_pinned() for f in k.frozen_host)
+        assert k.layer_frozen == [[], [], []]
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
