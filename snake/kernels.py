@@ -393,7 +393,9 @@ class Kernels:
         key = (t, layer)
         counts = self._none_counts.get(key)
         if counts is None:
-            for old in [k for k in self._none_counts if k[0] < t - 1]:
+            # list(): the event loop's thread pops entries (take_skipped) meanwhile; a copy
+            # of the keys is taken at once, where iterating the dict could see it change size
+            for old in [k for k in list(self._none_counts) if k[0] < t - 1]:
                 self._none_counts.pop(old, None)
             counts = self._none_counts[key] = {}
         counts[i] = counts.get(i, 0) + 1
