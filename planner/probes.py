@@ -216,7 +216,7 @@ def _kind_seconds(
 def _kernels(parts: ModelParts, device: torch.device, dtype) -> Kernels:
     name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
     config = SnakeConfig(offload_dir=".", micro_batches=1, dtype=name)  # type: ignore[arg-type]
-    kernels = Kernels(parts, config, device, 1)
+    kernels = Kernels(parts, config, device, 1, frozen_copies=False)  # its slots hold the frozen parameters
     kernels.watch_gradients = False  # timings, not training: no warning about unused parameters
     return kernels
 

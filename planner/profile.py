@@ -146,7 +146,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         layer_params=-(-sum(sizes) // len(sizes)),  # layers of several kinds: their mean
         largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
         layer_frozen_params=-(-sum(frozen) // len(frozen)),
-        largest_slot_params=max(slots) if len(set(slots)) > 1 else None,
+        largest_slot_params=max(slots) if any(frozen) else None,
         # held on the device: pre/post's frozen parameters and the blocks' kept in fp32
         frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad) - sum(frozen),
         fp32_params=kept_fp32_params(parts),

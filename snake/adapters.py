@@ -251,19 +251,28 @@ def param_signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...], bool,
 
 def kept_fp32(module: nn.Module, *, skip: str | None = None) -> frozenset[str]:
     """The names of `module`'s parameters and buffers that run in float32 whatever the
-    compute dtype: where its trained parameters are stored in a lower precision (a model
-    loaded in bfloat16), those it stores in float32, as transformers keeps a router's gate
-    and bias (`_keep_in_fp32_modules`). Empty where every trained parameter is float32 (a
-    float32 model: all of it runs in the compute dtype). `skip`: a prefix of names left out
-    (the blocks, for pre/post)."""
+    compute dtype: where most of its floating parameters' elements (trained or frozen) are
+    stored in a lower precision (a model loaded in bfloat16), those it stores in float32, as
+    transformers keeps a router's gate and bias (`_keep_in_fp32_modules`) and PEFT its
+    adapters. Empty where most are float32 (a float32 model: all of it runs in the compute
+    dtype). `skip`: a prefix of names left out of the answer but not of the count (the
+    blocks, for pre/post: the whole model decides for them)."""
     def mine(named: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for n, t in named if skip is None or not n.startswith(skip)]
 
     params = mine(module.named_parameters())
-    if all(p.dtype == torch.float32 for _, p in params if p.requires_grad and p.is_floating_point()):
+    floating = [p for p in module.parameters() if p.is_floating_point()]
+    wide = sum(p.numel() for p in floating if p.dtype == torch.float32)
+    if wide * 2 >= sum(p.numel() for p in floating):
         return frozenset()
     tensors = params + mine(module.named_buffers(remove_duplicate=False))
-    return frozenset(n for n, t in tensors if t.dtype == torch.float32)
+    kept = frozenset(n for n, t in tensors if t.dtype == torch.float32)
+    if skip is None and all(n in kept for n, p in params if p.requires_grad):
+        # a block that would stream nothing (it trains only what it keeps in fp32: a
+        # router-only fine-tune): its trained parameters stream in the compute dtype, as
+        # the runtime streams and steps at least one parameter of every layer
+        kept = kept.difference(n for n, p in params if p.requires_grad)
+    return kept
 
 
 def kept_fp32_params(parts: ModelParts) -> int:

@@ -66,7 +66,11 @@ if TYPE_CHECKING:
     from snake.trainer import SnakeTrainer
 
 FORMAT = "snake-checkpoint"
-VERSION = 1
+# 2: `missed_steps` (round 25). A version 1 checkpoint has none (its snake stepped every
+# parameter every step) and reads as before; a snake that reads only version 1 refuses a
+# version 2 one rather than lose its parameters' step counts
+VERSION = 2
+READS = (1, 2)
 MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 RNG = "rng.safetensors"
@@ -301,10 +305,10 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
         raise SnakeError(f"{what}: cannot read {path}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SnakeError(f"{what}: {path} is not a snake checkpoint manifest (format != {FORMAT!r})")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READS:
         raise SnakeError(
             f"{what}: {target} has checkpoint format version {manifest.get('version')!r}; "
-            f"this snake reads version {VERSION}"
+            f"this snake reads versions {', '.join(map(str, READS))}"
         )
     for key in ("step", "consumed_batches", "config", "model", "files"):
         if key not in manifest:

@@ -66,7 +66,11 @@ class _BlockCall(nn.Module):
 
 
 class Kernels:
-    def __init__(self, parts: ModelParts, config: SnakeConfig, device: torch.device, n_micro: int) -> None:
+    def __init__(
+        self, parts: ModelParts, config: SnakeConfig, device: torch.device, n_micro: int, *, frozen_copies: bool = True
+    ) -> None:
+        """frozen_copies=False (the planner's probes, whose slots hold every parameter): no
+        CPU copy of the layers' frozen parameters (`frozen_host`)."""
         self.device = device
         self.dtype = TORCH_DTYPES[config.dtype]
         self.scale = float(config.loss_scale) if config.dtype == "float16" else 1.0
@@ -152,7 +156,7 @@ class Kernels:
             self.kind_frozen_sites.append(_param_sites(shell, [n for n, _ in streamed]))
             self.kind_frozen_shapes.append([p.shape for _, p in streamed])
             self.kind_frozen_numels.append([p.numel() for _, p in streamed])
-            if streamed:
+            if streamed and frozen_copies:
                 for i in mine:
                     own = dict(blocks[i].named_parameters())
                     flat = alloc_host_tensor(sum(p.numel() for _, p in streamed), self.dtype, pin=device.type == "cuda")
@@ -277,9 +281,12 @@ class Kernels:
         p, f = self.kind_params[kind], self.kind_frozen[kind]
         if not f:
             return []
-        host = self.frozen_host[layer]
-        assert host is not None
-        flat = slot[p : p + f] if slot.numel() >= p + f else host
+        if slot.numel() >= p + f:
+            flat = slot[p : p + f]
+        else:
+            host = self.frozen_host[layer]
+            assert host is not None
+            flat = host
         return [v.view(s) for v, s in zip(flat.split(self.kind_frozen_numels[kind]), self.kind_frozen_shapes[kind],
                                           strict=True)]
 

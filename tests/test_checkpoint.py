@@ -705,3 +705,34 @@ async def test_damaged_missed_steps_in_a_manifest_are_refused(tmp_path, missed, 
             assert t.engine is None
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_a_version_1_checkpoint_loads_and_an_unknown_version_is_refused(tmp_path):
+    """Version 2 added `missed_steps`; a version 1 checkpoint (none: every parameter had every
+    step) loads as before, and a version this snake does not know is refused by name."""
+    where = tmp_path / "ckpt"
+
+    async def body():
+        async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(4, 4), config=config(tmp_path, "a")) as t:
+            await t.run(2)
+            await t.save(where)
+            await t.run(2)
+            want = await t.state_dict()
+        path = where / ckpt.MANIFEST
+        manifest = json.loads(path.read_text())
+        assert manifest["version"] == 2
+        del manifest["missed_steps"]
+        path.write_text(json.dumps({**manifest, "version": 1}))
+        async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(4, 4), config=config(tmp_path, "b")) as t:
+            await t.load(where)
+            await t.run(2)
+            got = await t.state_dict()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        path.write_text(json.dumps({**manifest, "version": 3}))
+        async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(4, 4), config=config(tmp_path, "c")) as t:
+            with pytest.raises(SnakeError, match="has checkpoint format version 3; this snake reads versions 1, 2"):
+                await t.load(where)
+
+    await asyncio.wait_for(body(), TIMEOUT)

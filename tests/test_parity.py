@@ -734,13 +734,17 @@ def _gated_parts(model: _GatedLM) -> ModelParts:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
-async def test_what_a_bf16_model_keeps_in_fp32_stays_fp32(tmp_path, schedule):
+@pytest.mark.parametrize("frozen", ["none", "embed"])
+async def test_what_a_bf16_model_keeps_in_fp32_stays_fp32(tmp_path, schedule, frozen):
     """A bfloat16 model's router gate and bias in float32 (transformers'
     `_keep_in_fp32_modules`) were run in bfloat16: 2.6 % off plain PyTorch mixed precision's
     updates. They stay float32 now (the gates held on the device with pre/post's), and the
     weights are plain PyTorch mixed precision's (fp32 masters, AdamW) to the bit as measured
-    (atol 1e-6 here)."""
+    (atol 1e-6 here). Also where the embedding is frozen (an audit's find: the fp32 head ran
+    in bf16)."""
     model = _gated_model()
+    if frozen == "embed":
+        model.embed.requires_grad_(False)
     data = batches(4, 4)
     want = mixed_reference(model, data, 2)
     _SEEN_DTYPES.clear()
@@ -792,6 +796,10 @@ def test_the_memory_model_counts_what_is_kept_in_fp32_at_4_bytes():
     less = dataclasses.replace(shape, fp32_params=0)
     assert device_memory(shape, n_micro=2) - device_memory(less, n_micro=2) == 2 * shape.fp32_params
     assert shape_of_parts(_gated_parts(_GatedLM()), 2, 16, "bfloat16").fp32_params == 0  # a float32 model
+    routers_only = _gated_model()
+    for layer in routers_only.layers:  # the gates would be all a block streams: they stream in bf16
+        layer.experts.requires_grad_(False)
+    assert shape_of_parts(_gated_parts(routers_only), 2, 16, "bfloat16").fp32_params == 96 * 16 + 96
 
 
 class _LoraBlock(torch.nn.Module):
@@ -877,8 +885,48 @@ def test_the_memory_model_streams_frozen_layer_weights():
     shape = shape_of_parts(parts, 2, 16, "float32")
     assert (shape.layer_params, shape.layer_frozen_params, shape.frozen_params) == (96, 272, 0)
     assert shape.slot == 96 + 272
-    none = dataclasses.replace(shape, layer_frozen_params=0)
+    none = dataclasses.replace(shape, layer_frozen_params=0, largest_slot_params=None)
     slots = device_memory(shape, n_micro=2) - device_memory(none, n_micro=2)
     assert slots == PoolSizes().device_param_slots * 272 * 4  # the slots', not every layer's
     host = host_memory(shape, n_micro=2, schedule="vertical", workers=2, alpha=0.0)
     assert host.fixed_bytes - host_memory(none, n_micro=2, schedule="vertical", workers=2, alpha=0.0).fixed_bytes == 3 * 272 * 4
+    # a layer with its base trained too: two kinds whose slots are both 368 elements (an
+    # audit's find: the slot was counted as the largest trained layer plus the mean frozen)
+    model.layers[1].base.requires_grad_(True)
+    assert shape_of_parts(parts, 2, 16, "float32").slot == 368
+
+
+def test_the_planner_probes_make_no_copy_of_frozen_layer_weights():
+    """The probes' kernels bind slots that hold every parameter: a CPU copy of every layer's
+    frozen weights per probe (an audit counted 9 in one planning) is not made, and the model
+    is left as it is."""
+    from planner.probes import _kernels
+
+    model = _LoraLM()
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    where = model.layers[0].base.weight.data_ptr()
+    k = _kernels(parts, torch.device("cpu"), torch.float32)
+    assert k.frozen_host == [None, None, None] and model.layers[0].base.weight.data_ptr() == where
+
+
+@pytest.mark.asyncio
+async def test_a_router_only_fine_tune_of_a_bf16_model_streams_the_gates(tmp_path):
+    """A block that trains only what it keeps in fp32 (its experts frozen) would stream
+    nothing; the runtime streams and steps at least one parameter of every layer, so there
+    the gates stream and compute in bf16 (an audit's find: this crashed on an empty layer
+    once they were held). Its buffers stay fp32; the training follows plain PyTorch mixed
+    precision with the gates in bf16."""
+    model = _gated_model()
+    for layer in model.layers:
+        layer.experts.requires_grad_(False)
+        layer.gate.to(torch.bfloat16)
+    want = mixed_reference(model, batches(3, 4), 2)
+    model = _gated_model()
+    for layer in model.layers:
+        layer.experts.requires_grad_(False)
+    _SEEN_DTYPES.clear()
+    got, _, _ = await train(_gated_parts(model), batches(3, 4), 3, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, dtype="bfloat16")
+    assert set(_SEEN_DTYPES) == {(torch.bfloat16, torch.float32)}
+    assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
