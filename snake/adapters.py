@@ -297,9 +297,11 @@ def flat_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def frozen_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """A block's frozen parameters (requires_grad=False) that stream with its layer, in the
-    compute dtype: all but those kept in float32 (`kept_fp32`: held on the device)."""
+    compute dtype: the floating-point ones but those kept in float32 (`kept_fp32`; those and
+    any others, an index, are held on the device as they are)."""
     kept = kept_fp32(block)
-    return [(n, p) for n, p in block.named_parameters() if not p.requires_grad and n not in kept]
+    return [(n, p) for n, p in block.named_parameters()
+            if not p.requires_grad and p.is_floating_point() and n not in kept]
 
 
 def held_named(block: nn.Module) -> list[tuple[str, nn.Parameter]]:

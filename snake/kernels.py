@@ -143,15 +143,14 @@ class Kernels:
                     self.layer_held[i] = [
                         (where, held_index[f"{parts.blocks_prefix}.{i}.{n}"]) for n, where in zip(held, sites, strict=True)
                     ]
-            frozen = [n for n, p in blocks[first].named_parameters() if not p.requires_grad and n in kept]
+            # held: those kept in float32, and those that are not floating point (an index)
+            frozen = [n for n, p in blocks[first].named_parameters()
+                      if not p.requires_grad and (n in kept or not p.is_floating_point())]
             if frozen:
                 sites = _param_sites(shell, frozen)
                 for i in mine:
                     own = dict(blocks[i].named_parameters())
-                    self.layer_frozen[i] = [
-                        (where, own[n].detach().to(device=device, dtype=torch.float32).clone())
-                        for n, where in zip(frozen, sites, strict=True)
-                    ]
+                    self.layer_frozen[i] = [(where, own[n].detach().to(device).clone()) for n, where in zip(frozen, sites, strict=True)]
             streamed = frozen_named(blocks[first])
             self.kind_frozen_sites.append(_param_sites(shell, [n for n, _ in streamed]))
             self.kind_frozen_shapes.append([p.shape for _, p in streamed])
@@ -479,7 +478,9 @@ def _shell(block: nn.Module) -> nn.Module:
     """A copy of `block` whose parameters are empty placeholders (a tied weight stays one
     placeholder): `bind` puts each layer's in before every call, so copying the block's
     own weights (one layer of memory per kind, on the device) would be waste."""
-    memo: dict[int, object] = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype)) for p in block.parameters()}
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad) for p in block.parameters()
+    }
     return copy.deepcopy(block, memo)
 
 

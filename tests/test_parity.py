@@ -930,3 +930,33 @@ async def test_a_router_only_fine_tune_of_a_bf16_model_streams_the_gates(tmp_pat
                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3, dtype="bfloat16")
     assert set(_SEEN_DTYPES) == {(torch.bfloat16, torch.float32)}
     assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
+
+
+class _PermutedBlock(torch.nn.Module):
+    """A block with an integer frozen parameter (a permutation of its channels)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.perm = torch.nn.Parameter(torch.randperm(d), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h))[..., self.perm]
+
+
+@pytest.mark.asyncio
+async def test_an_integer_frozen_parameter_in_a_block_is_held_as_it_is(tmp_path):
+    """An integer nn.Parameter (requires_grad=False) in a block crashed building the shell
+    (an audit's find, older than the frozen-streaming change); it is held on the device in
+    its own dtype, not streamed in the compute dtype."""
+    torch.manual_seed(0)
+    model = _TiedInBlockLM()
+    model.layers = torch.nn.ModuleList(_PermutedBlock() for _ in range(3))
+    data = batches(3, 4)
+    want, _ = reference(model, data, 2)
+    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
+                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
+                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
+    assert_close_state(got, want)
+    assert got["layers.2.perm"].dtype == torch.int64 and torch.equal(got["layers.2.perm"], model.layers[2].perm)
