@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from ab import ROOT, base_worktree, write_result
 
 CHILD = """
 import json, statistics, sys, time
@@ -79,43 +75,15 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--name", default="block_call_ab")
     args = ap.parse_args()
-    base = subprocess.run(["git", "rev-parse", "--short", args.base], capture_output=True, text=True, check=True,
-                          cwd=ROOT).stdout.strip()
-    tmp = Path(tempfile.mkdtemp(prefix="snake-ab-"))
-    worktree = tmp / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), base], check=True, cwd=ROOT)
     pairs = []
-    try:
+    with base_worktree(args.base) as (base, worktree):
         for i in range(args.pairs):
             old = run_child(worktree, args)
             new = run_child(ROOT, args)
             pairs.append({"base_ms": 1e3 * old, "tree_ms": 1e3 * new, "ratio": new / old})
             print(f"pair {i + 1}: base {1e3 * old:.3f} ms, working tree {1e3 * new:.3f} ms, ratio {new / old:.3f}",
                   flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], check=False, cwd=ROOT)
-        shutil.rmtree(tmp, ignore_errors=True)
-    ratios = [p["ratio"] for p in pairs]
-    result = {"base": base, "args": vars(args), "pairs": pairs, "median_ratio": statistics.median(ratios)}
-    print(f"working tree / {base}: median {result['median_ratio']:.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(range(1, len(ratios) + 1), ratios)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("pair")
-    ax.set_ylabel(f"per block call, working tree / {base}")
-    ax.set_ylim(0.8, 1.2)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.name}.png", dpi=100)
-
+    write_result(args.name, {"base": base, "args": vars(args), "pairs": pairs}, f"per block call, working tree / {base}")
 
 if __name__ == "__main__":
     main()

@@ -25,8 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from ab import ROOT, base_worktree, write_result
 
 CHILD = "import sys, snake, snake.cli; print('SNAKE', snake.__file__); sys.exit(snake.cli.main(sys.argv[1:]))"
 
@@ -52,45 +51,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--name", default="train_ab")
     args, extra = ap.parse_known_args()
-    base = subprocess.run(["git", "rev-parse", "--short", args.base], capture_output=True, text=True, check=True,
-                          cwd=ROOT).stdout.strip()
-    tmp = Path(tempfile.mkdtemp(prefix="snake-ab-"))
-    worktree = tmp / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), base], check=True, cwd=ROOT)
     pairs = []
-    try:
+    with base_worktree(args.base) as (base, worktree), tempfile.TemporaryDirectory(prefix="snake-ab-runs-") as tmp:
         for i in range(args.pairs):
-            old = run_child(worktree, tmp / "run-base", args, extra)
-            new = run_child(ROOT, tmp / "run-tree", args, extra)
+            old = run_child(worktree, Path(tmp) / "run-base", args, extra)
+            new = run_child(ROOT, Path(tmp) / "run-tree", args, extra)
             ratio = new["step_s"] / old["step_s"]
             pairs.append({"base": old, "tree": new, "ratio": ratio})
             print(f"pair {i + 1}: base {old['step_s']:.3f} s/iteration (loss {old['last_loss']:.4f}), working tree "
                   f"{new['step_s']:.3f} s (loss {new['last_loss']:.4f}), ratio {ratio:.3f}", flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], check=False, cwd=ROOT)
-        shutil.rmtree(tmp, ignore_errors=True)
-    ratios = [p["ratio"] for p in pairs]
-    result = {"base": base, "args": vars(args), "train_args": extra, "pairs": pairs,
-              "median_ratio": statistics.median(ratios)}
-    print(f"working tree / {base}: median {result['median_ratio']:.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(range(1, len(ratios) + 1), ratios)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("pair")
-    ax.set_ylabel(f"s per iteration, tree / {base}")
-    ax.set_ylim(0.8, 1.2)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.name}.png", dpi=100)
-
+    write_result(args.name, {"base": base, "args": vars(args), "train_args": extra, "pairs": pairs},
+                 f"s per iteration, tree / {base}")
 
 if __name__ == "__main__":
     main()

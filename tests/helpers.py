@@ -171,6 +171,23 @@ class KindsLM(torch.nn.Module):
         return self.head(h)
 
 
-def kinds_parts(model: KindsLM) -> ModelParts:
+class StackLM(torch.nn.Module):
+    """An embedding, `n` blocks made by `block()`, a head: a test model around a block."""
+
+    def __init__(self, block, n: int = 3, d: int = 16, vocab: int = 96) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(block() for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def kinds_parts(model: torch.nn.Module) -> ModelParts:
+    """ModelParts of a model with `embed`, `layers` and `head` (KindsLM, StackLM)."""
     return ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))

@@ -129,15 +129,14 @@ async def test_queued_jobs_on_cuda_match_pytorch_and_trace_gpu_time(tmp_path, sc
 async def test_frozen_layer_weights_stream_on_cuda(tmp_path, schedule):
     """A LoRA-style model on the GPU: the frozen base weights come from pinned CPU memory
     into each layer's slot (not held on the device); the same weights as PyTorch on the GPU."""
-    from snake import ModelParts
-    from tests.test_parity import _LoraLM
+    from tests.helpers import StackLM, kinds_parts
+    from tests.test_parity import _LoraBlock
 
     torch.manual_seed(0)
-    model = _LoraLM()
+    model = StackLM(_LoraBlock)
     data = batches(3, 4)
     want, _ = reference(model, data, 2, device="cuda")
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    parts = kinds_parts(model)
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
                       alpha=0.3, schedule=schedule, device="cuda")
     async with SnakeTrainer(parts, data=data, config=cfg) as trainer:

@@ -12,6 +12,7 @@ from snake.adapters import layer_kinds, takes_layer
 from snake.engine import _split_parts
 from tests.helpers import (
     KindsLM,
+    StackLM,
     assert_close_state,
     assert_tracks_updates,
     batches,
@@ -474,18 +475,6 @@ class _TiedInBlock(torch.nn.Module):
         return h + self.b(torch.tanh(self.a(h)))
 
 
-class _TiedInBlockLM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(96, 16)
-        self.layers = torch.nn.ModuleList(_TiedInBlock() for _ in range(3))
-        self.head = torch.nn.Linear(16, 96)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
 
 
 @pytest.mark.asyncio
@@ -493,11 +482,10 @@ async def test_a_weight_tied_inside_a_block_comes_back_under_both_names(tmp_path
     """An audit's find (since the first round): state_dict() gave the trained weight under
     the name named_parameters lists first and the initial one under the other."""
     torch.manual_seed(0)
-    model = _TiedInBlockLM()
+    model = StackLM(_TiedInBlock)
     data = batches(3, 4)
     want, _ = reference(model, data, 2)
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    parts = kinds_parts(model)
     got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
     assert "layers.1.b.weight" in got
@@ -540,12 +528,11 @@ async def test_a_parameter_that_never_gets_a_gradient_stays_as_it_is(tmp_path, c
     with a zero gradient (weight decay moved it). It is left now, and each such parameter
     is named once in a log record."""
     torch.manual_seed(0)
-    model = _TiedInBlockLM()
+    model = StackLM(_TiedInBlock)
     model.layers = torch.nn.ModuleList(_UnusedInBlock() for _ in range(2))
     data = batches(3, 4)
     want, _ = reference(model, data, 2)
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    parts = kinds_parts(model)
     with caplog.at_level("INFO", logger="snake"):
         got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
                                 placement=Placement.all_cpu(), alpha=0.0)
@@ -819,18 +806,6 @@ class _LoraBlock(torch.nn.Module):
         return h + torch.tanh(self.base(x) + self.up(self.down(x)))
 
 
-class _LoraLM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(96, 16)
-        self.layers = torch.nn.ModuleList(_LoraBlock() for _ in range(3))
-        self.head = torch.nn.Linear(16, 96)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
 
 
 @pytest.mark.asyncio
@@ -844,11 +819,10 @@ async def test_frozen_layer_weights_stream_with_the_layer(tmp_path, schedule, pl
     from snake import SnakeConfig, SnakeTrainer
 
     torch.manual_seed(0)
-    model = _LoraLM()
+    model = StackLM(_LoraBlock)
     data = batches(3, 4)
     want, _ = reference(model, data, 2)
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    parts = kinds_parts(model)
     cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=2, alpha=0.3, schedule=schedule,
                       placement=Placement.all_cpu() if placement == "all_cpu" else Placement(param=0.5, ckpt=0.5, opt=0.5))
     async with SnakeTrainer(parts, data=data, config=cfg) as t:
@@ -879,9 +853,8 @@ def test_the_memory_model_streams_frozen_layer_weights():
     from planner.profile import shape_of_parts
     from snake.memory import PoolSizes, device_memory, host_memory
 
-    model = _LoraLM()
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    model = StackLM(_LoraBlock)
+    parts = kinds_parts(model)
     shape = shape_of_parts(parts, 2, 16, "float32")
     assert (shape.layer_params, shape.layer_frozen_params, shape.frozen_params) == (96, 272, 0)
     assert shape.slot == 96 + 272
@@ -902,9 +875,8 @@ def test_the_planner_probes_make_no_copy_of_frozen_layer_weights():
     is left as it is."""
     from planner.probes import _kernels
 
-    model = _LoraLM()
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    model = StackLM(_LoraBlock)
+    parts = kinds_parts(model)
     where = model.layers[0].base.weight.data_ptr()
     k = _kernels(parts, torch.device("cpu"), torch.float32)
     assert k.frozen_host == [None, None, None] and model.layers[0].base.weight.data_ptr() == where
@@ -950,12 +922,11 @@ async def test_an_integer_frozen_parameter_in_a_block_is_held_as_it_is(tmp_path)
     (an audit's find, older than the frozen-streaming change); it is held on the device in
     its own dtype, not streamed in the compute dtype."""
     torch.manual_seed(0)
-    model = _TiedInBlockLM()
+    model = StackLM(_TiedInBlock)
     model.layers = torch.nn.ModuleList(_PermutedBlock() for _ in range(3))
     data = batches(3, 4)
     want, _ = reference(model, data, 2)
-    parts = ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
-                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+    parts = kinds_parts(model)
     got, _, _ = await train(parts, data, 3, offload_dir=tmp_path / "off", micro_batches=2,
                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
     assert_close_state(got, want)
