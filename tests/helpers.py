@@ -150,27 +150,6 @@ class _Experts(torch.nn.Module):
         return sum(w[..., e : e + 1] * (self.experts[e](h) - h) for e in range(3)) + h
 
 
-class KindsLM(torch.nn.Module):
-    """Layers of three kinds, the first of them not the largest: dense with SiLU (layers 0
-    and 4), mixtures of experts (1 and 3), dense with ReLU (2: the same parameters as
-    layer 0, another activation)."""
-
-    def __init__(self, d: int = 16, vocab: int = 96) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(vocab, d)
-        self.layers = torch.nn.ModuleList([
-            _Dense(d, torch.nn.SiLU()), _Experts(d), _Dense(d, torch.nn.ReLU()), _Experts(d), _Dense(d, torch.nn.SiLU()),
-        ])
-        self.head = torch.nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
 class StackLM(torch.nn.Module):
     """An embedding, `n` blocks made by `block()`, a head: a test model around a block."""
 
@@ -185,6 +164,21 @@ class StackLM(torch.nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.head(h)
+
+
+class KindsLM(StackLM):
+    """Layers of three kinds, the first of them not the largest: dense with SiLU (layers 0
+    and 4), mixtures of experts (1 and 3), dense with ReLU (2: the same parameters as
+    layer 0, another activation)."""
+
+    def __init__(self, d: int = 16, vocab: int = 96) -> None:
+        torch.nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList([
+            _Dense(d, torch.nn.SiLU()), _Experts(d), _Dense(d, torch.nn.ReLU()), _Experts(d), _Dense(d, torch.nn.SiLU()),
+        ])
+        self.head = torch.nn.Linear(d, vocab)
 
 
 def kinds_parts(model: torch.nn.Module) -> ModelParts:
