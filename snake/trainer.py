@@ -30,7 +30,7 @@ log = logging.getLogger("snake")
 
 # how long shutting down waits for a data next() a cancellation left running (a list's
 # returns at once) before it leaves that thread to end on its own
-_NEXT_GRACE_S = 0.1
+_NEXT_GRACE_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
