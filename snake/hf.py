@@ -45,8 +45,9 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 # norm and head (`lm_head`) compose as Llama's, with what some of them do outside their
 # layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`; what a layer
 # reads from its own attributes, snake's kernels set per layer); each is trained against
-# plain PyTorch in tests/test_hf.py. Not here: hybrids of attention and recurrent layers,
-# sparse attention with an indexer (DeepSeek V3.2)
+# plain PyTorch in tests/test_hf.py. Hybrids of attention and linear-attention layers
+# (Qwen3-Next: `_RECURRENT` layer types, unmasked without padding) are layers of two kinds.
+# Not here: sparse attention with an indexer (DeepSeek V3.2)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -62,6 +63,8 @@ _LLAMA_FAMILY = (
     "Cohere2MoeForCausalLM", "ExaoneMoeForCausalLM", "HunYuanMoEV1ForCausalLM",
     # routing statistics kept as frozen parameters (requires_grad=False: left as they are)
     "Ernie4_5_MoeForCausalLM", "AfmoeForCausalLM",
+    # hybrids: gated-delta-net linear attention and full attention (`_RECURRENT`)
+    "Qwen3NextForCausalLM",
 )
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)
@@ -71,6 +74,10 @@ _WINDOW_FROM_CONFIG = (
 # attention implementations that mask causally by themselves when given no mask
 _SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 _SUPPORTED_ATTN = ("eager", *_SELF_CAUSAL)
+# layer types whose token mixer is recurrent (linear attention): causal by construction, and
+# given a mask only for padding (transformers' create_recurrent_attention_mask is None for an
+# unpadded batch, which is all snake trains on)
+_RECURRENT = ("linear_attention",)
 
 
 # -- recognition ----------------------------------------------------------------------------
@@ -176,7 +183,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             layer = 0
         position_ids = torch.arange(h.shape[1], device=h.device)[None]
         kwargs: dict[str, Any] = {
-            "attention_mask": masks[specs[layer]].get(h),
+            "attention_mask": None if kinds[layer] in _RECURRENT else masks[specs[layer]].get(h),
             "position_ids": position_ids,
             "use_cache": False,
         }
@@ -259,7 +266,7 @@ def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[tuple[int
     if types:
         kinds = list(types)[:n]
         for kind in sorted(set(kinds)):
-            if kind not in ("full_attention", "sliding_attention", "chunked_attention"):
+            if kind not in ("full_attention", "sliding_attention", "chunked_attention", *_RECURRENT):
                 raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
         specs = [(int(window) if kind == "sliding_attention" and window else None,
                   int(chunk) if kind == "chunked_attention" and chunk else None) for kind in kinds]

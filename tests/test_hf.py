@@ -36,6 +36,10 @@ ROUTED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_siz
           "first_k_dense_replace": 1}
 GENERIC_MOE = {"head_dim": 16, **SMALL_MOE, "n_routed_experts": 4, "mlp_layer_types": ["dense", "sparse", "sparse"],
                "first_k_dense_replace": 1, "sliding_window": 4}
+# linear attention in layers 0 and 2, full attention in layer 1 (Qwen3-Next's kin)
+HYBRID = {"head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+          "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
 FAMILY: dict[str, tuple[str, str, dict]] = {
     "llama": ("Llama", "Llama", {}), "qwen2": ("Qwen2", "Qwen2", {}), "mistral": ("Mistral", "Mistral", {}),
     "qwen3": ("Qwen3", "Qwen3", {}), "phi3": ("Phi3", "Phi3", {}), "olmo": ("Olmo", "Olmo", {}),
@@ -75,6 +79,8 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
     "ernie45moe": ("Ernie4_5_Moe", "Ernie4_5_Moe", {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
                                                     "moe_layer_start_index": 1}),
     "afmoe": ("Afmoe", "Afmoe", {**GENERIC_MOE, "num_dense_layers": 1}),
+    # hybrids: linear-attention (gated delta net) and full-attention layers, two kinds
+    "qwen3next": ("Qwen3Next", "Qwen3Next", {**HYBRID, **SMALL_MOE, "shared_expert_intermediate_size": 32}),
 }
 MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 EAGER_ONLY = ("gemma2", "gptoss")  # no SDPA in transformers (soft-capped attention; attention sinks)
@@ -289,17 +295,17 @@ async def test_load_hf_from_a_directory_keeps_what_the_model_freezes(tmp_path, k
 
 
 TWO_KINDS = ["deepseekv3", "deepseekv2", "glm4moe", "glm4moelite", "dots1", "mistral4", "llama4", "cohere2moe",
-             "exaonemoe", "ernie45moe", "afmoe", "qwen3moe-dense-0"]
+             "exaonemoe", "ernie45moe", "afmoe", "qwen3moe-dense-0", "qwen3next"]
 
 
 @pytest.mark.parametrize("kind", TWO_KINDS)
 def test_dense_and_expert_layers_are_two_kinds(kind):
     """DeepSeek-style models (a dense first layer, experts after it), Llama 4 (experts every
-    other layer) and Qwen3-MoE with `mlp_only_layers` have layers of two kinds, each run
-    through a copy of its own first layer."""
+    other layer), Qwen3-MoE with `mlp_only_layers` and Qwen3-Next (linear and full attention)
+    have layers of two kinds, each run through a copy of its own first layer."""
     model = make("qwen3moe", mlp_only_layers=[0]) if kind == "qwen3moe-dense-0" else make(kind)
     kinds, firsts = layer_kinds(describe(model).blocks)
-    assert kinds == ([0, 1, 0] if kind == "llama4" else [0, 1, 1]) and firsts == [0, 1]
+    assert kinds == ([0, 1, 0] if kind in ("llama4", "qwen3next") else [0, 1, 1]) and firsts == [0, 1]
 
 
 @pytest.mark.asyncio
