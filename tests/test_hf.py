@@ -539,11 +539,14 @@ def test_block_fn_without_the_index_runs_uniform_layers_and_refuses_mixed_ones()
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["deepseekv3", "glm4moe"])
+@pytest.mark.parametrize("kind", ["deepseekv3", "glm4moe", "qwen3next"])
 async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_path, kind):
-    """Built in bfloat16, these keep each router's gate weight and bias in float32
-    (`_keep_in_fp32_modules_strict`); snake used to run them in bfloat16. It keeps them
-    float32 and gives plain PyTorch mixed precision's weights (fp32 masters, AdamW)."""
+    """Built in bfloat16, DeepSeek V3 and GLM-4.5 keep each router's gate weight and bias in
+    float32 (`_keep_in_fp32_modules_strict`); snake used to run them in bfloat16. It keeps
+    them float32 and gives plain PyTorch mixed precision's weights (fp32 masters, AdamW).
+    Qwen3-Next keeps nothing in fp32; its bf16 linear-attention layers train as plain
+    PyTorch's do, though not to the bit (measured 344 of 157,648 masters off, by at most
+    3.7e-9, after three steps)."""
     from tests.helpers import mixed_reference
 
     fp32 = make(kind)
@@ -551,7 +554,8 @@ async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_pa
     model.load_state_dict(fp32.state_dict())
     kept = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype == torch.float32}
     # the gate's weight and the routing bias (Ernie 4.5 MoE's a frozen parameter)
-    assert any(n.endswith("gate.weight") for n in kept) and any("e_score_correction_bias" in n for n in kept)
+    assert kind == "qwen3next" or (any(n.endswith("gate.weight") for n in kept)
+                                   and any("e_score_correction_bias" in n for n in kept))
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = mixed_reference(model, data, 2)
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
