@@ -43,11 +43,13 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 
 # decoder-only models whose embedding (`model.embed_tokens`), layers (`model.layers`), final
 # norm and head (`lm_head`) compose as Llama's, with what some of them do outside their
-# layers (`_Outside`) and layers that differ by attention type (`_layer_kinds`; what a layer
-# reads from its own attributes, snake's kernels set per layer); each is trained against
-# plain PyTorch in tests/test_hf.py. Hybrids of attention and linear-attention layers
-# (Qwen3-Next: `_RECURRENT` layer types, unmasked without padding) are layers of two kinds.
-# Not here: sparse attention with an indexer (DeepSeek V3.2)
+# layers (`_Outside`, which also knows the other names some give the embedding, final norm
+# and rotary table) and layers that differ by type (`_layer_kinds`; what a layer reads from
+# its own attributes, snake's kernels set per layer); each is trained against plain PyTorch
+# in tests/test_hf.py. Hybrids of attention and recurrent layers (linear attention, Mamba,
+# short convolutions: `_UNMASKED` layer types, unmasked without padding) have layers of
+# two or more kinds. Not here: sparse attention with an indexer (DeepSeek V3.2), Zamba 2 (a
+# transformer block shared by several layers, fed the embedding beside the hidden state)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -63,8 +65,14 @@ _LLAMA_FAMILY = (
     "Cohere2MoeForCausalLM", "ExaoneMoeForCausalLM", "HunYuanMoEV1ForCausalLM",
     # routing statistics kept as frozen parameters (requires_grad=False: left as they are)
     "Ernie4_5_MoeForCausalLM", "AfmoeForCausalLM",
-    # hybrids: gated-delta-net linear attention and full attention (`_RECURRENT`)
-    "Qwen3NextForCausalLM",
+    # hybrids: attention beside recurrent layers (`_UNMASKED`): gated delta nets (Qwen3-Next,
+    # Qwen3.5, OLMo hybrid), Kimi delta attention, lightning attention (MiniMax), Mamba
+    # (Jamba, Bamba, Granite 4 hybrid, Nemotron-H), short convolutions (LFM2); Falcon-H1's
+    # layers run attention and Mamba side by side ("hybrid": the attention's causal mask)
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM",
+    "KimiLinearForCausalLM", "MiniMaxForCausalLM", "JambaForCausalLM", "BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
+    "FalconH1ForCausalLM", "Olmo3ForCausalLM",
 )
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)
@@ -74,10 +82,13 @@ _WINDOW_FROM_CONFIG = (
 # attention implementations that mask causally by themselves when given no mask
 _SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 _SUPPORTED_ATTN = ("eager", *_SELF_CAUSAL)
-# layer types whose token mixer is recurrent (linear attention): causal by construction, and
-# given a mask only for padding (transformers' create_recurrent_attention_mask is None for an
-# unpadded batch, which is all snake trains on)
-_RECURRENT = ("linear_attention",)
+# layer types without softmax attention: a recurrent token mixer (linear attention, Mamba, a
+# short convolution), causal by construction and given a mask only for padding
+# (transformers' create_recurrent_attention_mask is None for an unpadded batch, which is
+# all snake trains on), or none at all (Nemotron-H's "moe" and "mlp" layers)
+_UNMASKED = ("linear_attention", "conv", "moe", "mlp")
+# layer types with softmax attention ("hybrid": Falcon-H1's attention beside Mamba, causal)
+_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid")
 
 
 # -- recognition ----------------------------------------------------------------------------
@@ -162,7 +173,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     _refuse_what_layers_cannot_carry(model)
     specs, kinds = _layer_kinds(model, impl, name)
     masks = {spec: _MaskCache(impl, window=spec[0], chunk=spec[1]) for spec in set(specs)}
-    rotary = _Rotary(getattr(inner, "rotary_emb", None))
+    rotary = _Rotary(getattr(inner, "pos_emb" if name == "Lfm2MoeForCausalLM" else "rotary_emb", None))
     outside = _Outside(model, name)
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
@@ -183,7 +194,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             layer = 0
         position_ids = torch.arange(h.shape[1], device=h.device)[None]
         kwargs: dict[str, Any] = {
-            "attention_mask": None if kinds[layer] in _RECURRENT else masks[specs[layer]].get(h),
+            "attention_mask": None if kinds[layer] in _UNMASKED else masks[specs[layer]].get(h),
             "position_ids": position_ids,
             "use_cache": False,
         }
@@ -199,22 +210,29 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
 
 class _Outside:
     """What a model of the Llama family does around its layers: the embedding (scaled by
-    Granite's multiplier; dropped out by Phi and StarCoder 2), and after the final norm
-    (`norm`, Phi's `final_layernorm`) and the head, the logits scaled (Cohere, Granite) or
-    soft-capped (Gemma 2 and 3), as their own forward does."""
+    Granite's and Falcon-H1's multiplier; dropped out by Phi and StarCoder 2), and after the
+    final norm and the head, the logits scaled (Cohere, Granite, Falcon-H1), soft-capped
+    (Gemma 2 and 3) or cast to float32 (Nemotron-H), as their own forward does. The
+    embedding is `embed_tokens` (Nemotron-H: `embeddings`); the final norm `norm`
+    (`final_layernorm`: Phi, Jamba, Bamba, Falcon-H1; `embedding_norm`: LFM2; `norm_f`:
+    Nemotron-H)."""
 
     def __init__(self, model: nn.Module, name: str) -> None:
         config: Any = model.config
-        granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM")
-        self.embed_mult = float(config.embedding_multiplier) if granite else None
-        self.norm = "final_layernorm" if name == "PhiForCausalLM" else "norm"
+        granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM")
+        falcon = name == "FalconH1ForCausalLM"
+        self.embed = "embeddings" if name == "NemotronHForCausalLM" else "embed_tokens"
+        self.embed_mult = float(config.embedding_multiplier) if granite or falcon else None
+        self.norm = _FINAL_NORM.get(name, "norm")
         self.logits_div = float(config.logits_scaling) if granite else None
-        self.logits_mult = float(config.logit_scale) if name.startswith("Cohere") else None
+        self.logits_mult = (float(config.logit_scale) if name.startswith("Cohere")
+                            else float(config.lm_head_multiplier) if falcon else None)
         cap = getattr(config, "final_logit_softcapping", None) if name.startswith("Gemma") else None
         self.softcap = float(cap) if cap else None
+        self.to_float = name == "NemotronHForCausalLM"
 
     def pre(self, m: Any, idx: torch.Tensor) -> torch.Tensor:
-        h = m.model.embed_tokens(idx)
+        h = getattr(m.model, self.embed)(idx)
         if self.embed_mult is not None:
             h = h * self.embed_mult
         drop = getattr(m.model, "embed_dropout", None)  # Phi's module
@@ -233,7 +251,17 @@ class _Outside:
             logits = logits * self.logits_mult
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.to_float:
+            logits = logits.float()
         return logits
+
+
+# the final norm's name where it is not `norm`
+_FINAL_NORM = {
+    "PhiForCausalLM": "final_layernorm", "JambaForCausalLM": "final_layernorm", "BambaForCausalLM": "final_layernorm",
+    "FalconH1ForCausalLM": "final_layernorm", "Lfm2ForCausalLM": "embedding_norm", "Lfm2MoeForCausalLM": "embedding_norm",
+    "NemotronHForCausalLM": "norm_f",
+}
 
 
 def _refuse_what_layers_cannot_carry(model: nn.Module) -> None:
@@ -246,6 +274,12 @@ def _refuse_what_layers_cannot_carry(model: nn.Module) -> None:
             f"model: {name} has output_router_logits=True, which adds the routers' load-balancing "
             "loss over all layers' routing together; snake streams one layer at a time and trains "
             "the language-model loss alone: set model.config.output_router_logits = False"
+        )
+    if getattr(config, "z_loss_coefficient", 0.0):
+        raise ModelError(
+            f"model: {name} has z_loss_coefficient={config.z_loss_coefficient}, a loss term its own "
+            "forward adds to the language-model loss (Bamba's z-loss on the logits), which snake "
+            "does not compute: set model.config.z_loss_coefficient = 0.0"
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise ModelError(
@@ -266,9 +300,11 @@ def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[tuple[int
     if types:
         kinds = list(types)[:n]
         for kind in sorted(set(kinds)):
-            if kind not in ("full_attention", "sliding_attention", "chunked_attention", *_RECURRENT):
+            if kind not in (*_ATTENTION, *_UNMASKED):
                 raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
-        specs = [(int(window) if kind == "sliding_attention" and window else None,
+        # MiniMax windows its full-attention layers by config.sliding_window when it is set
+        windowed = ("sliding_attention", "full_attention") if name == "MiniMaxForCausalLM" else ("sliding_attention",)
+        specs = [(int(window) if kind in windowed and window else None,
                   int(chunk) if kind == "chunked_attention" and chunk else None) for kind in kinds]
         if impl.startswith("flash_attention") and len(set(specs)) > 1:
             raise ModelError(

@@ -40,6 +40,9 @@ GENERIC_MOE = {"head_dim": 16, **SMALL_MOE, "n_routed_experts": 4, "mlp_layer_ty
 HYBRID = {"head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
           "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+MAMBA1 = {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8}
+MAMBA2 = {"mamba_n_heads": 8, "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+          "mamba_chunk_size": 8}
 FAMILY: dict[str, tuple[str, str, dict]] = {
     "llama": ("Llama", "Llama", {}), "qwen2": ("Qwen2", "Qwen2", {}), "mistral": ("Mistral", "Mistral", {}),
     "qwen3": ("Qwen3", "Qwen3", {}), "phi3": ("Phi3", "Phi3", {}), "olmo": ("Olmo", "Olmo", {}),
@@ -79,8 +82,47 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
     "ernie45moe": ("Ernie4_5_Moe", "Ernie4_5_Moe", {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
                                                     "moe_layer_start_index": 1}),
     "afmoe": ("Afmoe", "Afmoe", {**GENERIC_MOE, "num_dense_layers": 1}),
-    # hybrids: linear-attention (gated delta net) and full-attention layers, two kinds
+    # hybrids: recurrent layers (linear attention, Mamba, short convolutions) and attention
+    # layers, two kinds or more; the multipliers outside and inside the layers away from 1
     "qwen3next": ("Qwen3Next", "Qwen3Next", {**HYBRID, **SMALL_MOE, "shared_expert_intermediate_size": 32}),
+    "qwen35": ("Qwen3_5Text", "Qwen3_5", HYBRID),
+    "qwen35moe": ("Qwen3_5MoeText", "Qwen3_5Moe", {**HYBRID, **SMALL_MOE, "shared_expert_intermediate_size": 32}),
+    "olmohybrid": ("OlmoHybrid", "OlmoHybrid", {**HYBRID, "pad_token_id": 0}),
+    "kimilinear": ("KimiLinear", "KimiLinear", {
+        **HYBRID, "num_key_value_heads": 4, "moe_intermediate_size": 32, "num_shared_experts": 1, "num_experts": 4,
+        "num_experts_per_token": 2, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4,
+        "mlp_layer_types": ["dense", "sparse", "dense"], "model_max_length": 64, "pad_token_id": 0}),
+    "minimax": ("MiniMax", "MiniMax", {
+        "head_dim": 16, "layer_types": ["full_attention", "linear_attention", "full_attention"], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "block_size": 8, "sliding_window": 4, "full_attn_alpha_factor": 1.5,
+        "full_attn_beta_factor": 0.7, "linear_attn_alpha_factor": 1.2, "linear_attn_beta_factor": 0.9,
+        "mlp_alpha_factor": 1.1, "mlp_beta_factor": 0.8}),
+    "jamba": ("Jamba", "Jamba", {**MAMBA1, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                                 "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2}),
+    "bamba": ("Bamba", "Bamba", {**MAMBA2, "attn_layer_indices": [1], "mamba_d_head": "auto"}),
+    "granitemoehybrid": ("GraniteMoeHybrid", "GraniteMoeHybrid", {
+        **MAMBA2, "layer_types": HYBRID["layer_types"], "num_local_experts": 4, "num_experts_per_tok": 2,
+        "shared_intermediate_size": 64, "position_embedding_type": "rope", "embedding_multiplier": 2.0,
+        "logits_scaling": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25}),
+    "nemotronh": ("NemotronH", "NemotronH", {
+        "num_hidden_layers": 4, "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+        "head_dim": 16, "ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+        "conv_kernel": 4, "expand": 2, "chunk_size": 8, "n_routed_experts": 4, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "num_experts_per_tok": 2,
+        "n_group": 1, "topk_group": 1}),
+    "lfm2": ("Lfm2", "Lfm2", {"layer_types": ["conv", "full_attention", "conv"], "block_multiple_of": 16}),
+    "lfm2moe": ("Lfm2Moe", "Lfm2Moe", {"layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1,
+                                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "falconh1": ("FalconH1", "FalconH1", {
+        **MAMBA2, "mamba_d_ssm": 128, "mamba_d_head": 16, "mamba_rms_norm": True, "embedding_multiplier": 2.0,
+        "lm_head_multiplier": 0.5, "mlp_multipliers": [1.2, 0.8], "key_multiplier": 0.9,
+        "attention_in_multiplier": 1.1, "attention_out_multiplier": 0.7, "ssm_multipliers": [1.0, 0.9, 1.1, 1.2, 0.8],
+        "ssm_in_multiplier": 1.3, "ssm_out_multiplier": 0.6}),
+    # sliding and full attention, each type with its own rotary base
+    "olmo3": ("Olmo3", "Olmo3", {**MIXED, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}}),
 }
 MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 EAGER_ONLY = ("gemma2", "gptoss")  # no SDPA in transformers (soft-capped attention; attention sinks)
@@ -440,6 +482,9 @@ def test_what_layers_cannot_carry_is_refused():
         describe(make("mixtral", output_router_logits=True))
     with pytest.raises(ModelError, match="use_bidirectional_attention=True"):
         describe(make("gemma3", use_bidirectional_attention=True))
+    # a loss term beside the language model's (Bamba's z-loss), which snake would leave out
+    with pytest.raises(ModelError, match=r"z_loss_coefficient=0.1.*z_loss_coefficient = 0.0"):
+        describe(make("bamba", z_loss_coefficient=0.1))
 
 
 def test_load_hf_falls_back_to_eager_for_a_model_without_sdpa():
@@ -539,10 +584,11 @@ def test_block_fn_without_the_index_runs_uniform_layers_and_refuses_mixed_ones()
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["deepseekv3", "glm4moe", "qwen3next"])
+@pytest.mark.parametrize("kind", ["deepseekv3", "glm4moe", "kimilinear", "qwen3next"])
 async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_path, kind):
-    """Built in bfloat16, DeepSeek V3 and GLM-4.5 keep each router's gate weight and bias in
-    float32 (`_keep_in_fp32_modules_strict`); snake used to run them in bfloat16. It keeps
+    """Built in bfloat16, DeepSeek V3, GLM-4.5 and Kimi Linear keep each router's gate weight
+    and bias in float32 (`_keep_in_fp32_modules_strict`; Kimi also its delta rule's
+    `dt_bias`); snake used to run them in bfloat16. It keeps
     them float32 and gives plain PyTorch mixed precision's weights (fp32 masters, AdamW).
     Qwen3-Next keeps nothing in fp32; its bf16 linear-attention layers train as plain
     PyTorch's do, though not to the bit (measured 344 of 157,648 masters off, by at most
