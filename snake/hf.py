@@ -306,9 +306,11 @@ def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[tuple[int
         windowed = ("sliding_attention", "full_attention") if name == "MiniMaxForCausalLM" else ("sliding_attention",)
         specs = [(int(window) if kind in windowed and window else None,
                   int(chunk) if kind == "chunked_attention" and chunk else None) for kind in kinds]
-        if impl.startswith("flash_attention") and len(set(specs)) > 1:
+        # (recurrent layers take no mask: a hybrid whose attention layers all mask alike is uniform)
+        attention = {(spec, kind) for spec, kind in zip(specs, kinds, strict=True) if kind not in _UNMASKED}
+        if impl.startswith("flash_attention") and len({spec for spec, _ in attention}) > 1:
             raise ModelError(
-                f"model: {name} mixes attention types across layers ({sorted(set(kinds))}), which flash "
+                f"model: {name} mixes attention types across layers ({sorted({k for _, k in attention})}), which flash "
                 "attention takes from each layer's own attributes, and snake runs every layer through "
                 "one copy of layer 0: load it with attn_implementation='sdpa' (or 'eager')"
             )

@@ -477,6 +477,16 @@ def test_what_layers_cannot_carry_is_refused():
     mixed.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ModelError, match="mixes attention types.*attn_implementation='sdpa'"):
         describe(mixed)
+    # a hybrid whose attention layers all have one window: its recurrent layers take no mask
+    hybrid = make("minimax")
+    hybrid.config._attn_implementation = "flash_attention_2"
+    describe(hybrid)
+    hybrid = make("qwen3next", sliding_window=4)
+    hybrid.config._attn_implementation = "flash_attention_2"
+    describe(hybrid)
+    hybrid.config.layer_types = ["full_attention", "linear_attention", "sliding_attention"]
+    with pytest.raises(ModelError, match=r"mixes attention types across layers \(\['full_attention', 'sliding_attention'\]\)"):
+        describe(hybrid)
     # the routers' load-balancing loss is one function of every layer's routing
     with pytest.raises(ModelError, match=r"output_router_logits=True.*output_router_logits = False"):
         describe(make("mixtral", output_router_logits=True))
