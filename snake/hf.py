@@ -72,12 +72,22 @@ _LLAMA_FAMILY = (
     "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM",
     "KimiLinearForCausalLM", "MiniMaxForCausalLM", "JambaForCausalLM", "BambaForCausalLM",
     "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
-    "FalconH1ForCausalLM", "Olmo3ForCausalLM",
+    "FalconH1ForCausalLM", "Olmo3ForCausalLM", "Lfm3ForCausalLM", "LaraMiniForCausalLM", "RecurrentGemmaForCausalLM",
+    # more of the Llama family, some with their own names or scaling outside the layers
+    # (`_Outside`), windows on every layer (`_WINDOW_FROM_CONFIG`), per-type rotary tables
+    # (Laguna, Mellum, MiMo-V2-Flash), latent attention (Youtu, MiniCPM3, LongCat-Flash) or
+    # experts (JetMoE, Kolibri, MiniMax-M2, Solar Open, Phi-MoE, Inkling)
+    "HunYuanDenseV1ForCausalLM", "Jais2ForCausalLM", "JetMoeForCausalLM", "Kolibri1ForCausalLM", "LagunaForCausalLM",
+    "MellumForCausalLM", "MiniMaxM2ForCausalLM", "NemotronForCausalLM", "SeedOssForCausalLM", "SolarOpenForCausalLM",
+    "YoutuForCausalLM", "LongcatFlashForCausalLM", "MiMoV2FlashForCausalLM", "HyperCLOVAXForCausalLM",
+    "MiniCPM3ForCausalLM", "NanoChatForCausalLM", "PersimmonForCausalLM", "PhimoeForCausalLM", "Ministral3ForCausalLM",
+    "VaultGemmaForCausalLM", "InklingForCausalLM",
 )
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)
 _WINDOW_FROM_CONFIG = (
     "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM", "Qwen3MoeForCausalLM",
+    "PhimoeForCausalLM", "Ministral3ForCausalLM",
 )
 # attention implementations that mask causally by themselves when given no mask
 _SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -88,7 +98,11 @@ _SUPPORTED_ATTN = ("eager", *_SELF_CAUSAL)
 # all snake trains on), or none at all (Nemotron-H's "moe" and "mlp" layers)
 _UNMASKED = ("linear_attention", "conv", "moe", "mlp")
 # layer types with softmax attention ("hybrid": Falcon-H1's attention beside Mamba, causal)
-_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid")
+_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+# layer types windowed by the config's window (Inkling's "hybrid_sliding": `sliding_window_size`)
+_WINDOWED = ("sliding_attention", "hybrid_sliding")
+# models whose rotary table only layers of these types take (the others: position_embeddings=None)
+_ROTARY_ONLY = {"LaraMiniForCausalLM": ("sliding_attention",)}
 
 
 # -- recognition ----------------------------------------------------------------------------
@@ -174,6 +188,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     specs, kinds = _layer_kinds(model, impl, name)
     masks = {spec: _MaskCache(impl, window=spec[0], chunk=spec[1]) for spec in set(specs)}
     rotary = _Rotary(getattr(inner, "pos_emb" if name == "Lfm2MoeForCausalLM" else "rotary_emb", None))
+    rotary_only = _ROTARY_ONLY.get(name)
     outside = _Outside(model, name)
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
@@ -199,7 +214,9 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             "use_cache": False,
         }
         pe = rotary(h, position_ids, kinds[layer])
-        if pe is not None:
+        if rotary_only is not None:
+            kwargs["position_embeddings"] = pe if kinds[layer] in rotary_only else None
+        elif pe is not None:
             kwargs["position_embeddings"] = pe
         return _hidden(block(h, **kwargs))
 
@@ -210,24 +227,33 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
 
 class _Outside:
     """What a model of the Llama family does around its layers: the embedding (scaled by
-    Granite's and Falcon-H1's multiplier; dropped out by Phi and StarCoder 2), and after the
-    final norm and the head, the logits scaled (Cohere, Granite, Falcon-H1), soft-capped
-    (Gemma 2 and 3) or cast to float32 (Nemotron-H), as their own forward does. The
-    embedding is `embed_tokens` (Nemotron-H: `embeddings`); the final norm `norm`
-    (`final_layernorm`: Phi, Jamba, Bamba, Falcon-H1; `embedding_norm`: LFM2; `norm_f`:
-    Nemotron-H)."""
+    Granite's, Falcon-H1's and HyperCLOVA X's multiplier or RecurrentGemma's normalizer,
+    normed by NanoChat; dropped out by Phi and StarCoder 2), and after the final norm the
+    hidden state divided (MiniCPM3, Inkling) before the head, and the logits scaled (Cohere,
+    Granite, Falcon-H1, HyperCLOVA X), soft-capped (Gemma 2 and 3, VaultGemma,
+    RecurrentGemma, NanoChat) or cast to float32 (Nemotron-H), as their own forward does.
+    The embedding is `embed_tokens` (Nemotron-H: `embeddings`); the final norm `norm` or
+    the name in `_FINAL_NORM`."""
 
     def __init__(self, model: nn.Module, name: str) -> None:
         config: Any = model.config
         granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM")
         falcon = name == "FalconH1ForCausalLM"
+        clova = name == "HyperCLOVAXForCausalLM"
         self.embed = "embeddings" if name == "NemotronHForCausalLM" else "embed_tokens"
-        self.embed_mult = float(config.embedding_multiplier) if granite or falcon else None
+        self.embed_mult = float(config.embedding_multiplier) if granite or falcon or clova else None
+        self.normalizer = name == "RecurrentGemmaForCausalLM"  # the model's buffer, in h's dtype
+        self.embed_norm = name == "NanoChatForCausalLM"  # the final norm, before the layers too
         self.norm = _FINAL_NORM.get(name, "norm")
+        self.head_div = (float(config.logits_scaling) if name == "MiniCPM3ForCausalLM"
+                         else float(config.logits_mup_width_multiplier) if name == "InklingForCausalLM" else None)
         self.logits_div = float(config.logits_scaling) if granite else None
         self.logits_mult = (float(config.logit_scale) if name.startswith("Cohere")
-                            else float(config.lm_head_multiplier) if falcon else None)
-        cap = getattr(config, "final_logit_softcapping", None) if name.startswith("Gemma") else None
+                            else float(config.lm_head_multiplier) if falcon
+                            else float(config.logits_scaling) if clova else None)
+        cap_field = "logits_soft_cap" if name == "RecurrentGemmaForCausalLM" else "final_logit_softcapping"
+        capped = "Gemma" in name or name == "NanoChatForCausalLM"
+        cap = getattr(config, cap_field, None) if capped else None
         self.softcap = float(cap) if cap else None
         self.to_float = name == "NemotronHForCausalLM"
 
@@ -235,6 +261,10 @@ class _Outside:
         h = getattr(m.model, self.embed)(idx)
         if self.embed_mult is not None:
             h = h * self.embed_mult
+        if self.normalizer:
+            h = h * m.model.normalizer.type(h.dtype)
+        if self.embed_norm:
+            h = getattr(m.model, self.norm)(h)
         drop = getattr(m.model, "embed_dropout", None)  # Phi's module
         if isinstance(drop, nn.Module):
             h = drop(h)
@@ -244,7 +274,10 @@ class _Outside:
         return h
 
     def post(self, m: Any, h: torch.Tensor) -> torch.Tensor:
-        logits = m.lm_head(getattr(m.model, self.norm)(h))
+        h = getattr(m.model, self.norm)(h)
+        if self.head_div is not None:
+            h = h / self.head_div
+        logits = m.lm_head(h)
         if self.logits_div is not None:
             logits = logits / self.logits_div
         if self.logits_mult is not None:
@@ -260,7 +293,8 @@ class _Outside:
 _FINAL_NORM = {
     "PhiForCausalLM": "final_layernorm", "JambaForCausalLM": "final_layernorm", "BambaForCausalLM": "final_layernorm",
     "FalconH1ForCausalLM": "final_layernorm", "Lfm2ForCausalLM": "embedding_norm", "Lfm2MoeForCausalLM": "embedding_norm",
-    "NemotronHForCausalLM": "norm_f",
+    "NemotronHForCausalLM": "norm_f", "PersimmonForCausalLM": "final_layernorm", "Lfm3ForCausalLM": "embedding_norm",
+    "RecurrentGemmaForCausalLM": "final_norm",
 }
 
 
@@ -295,6 +329,8 @@ def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[tuple[int
     config: Any = model.config
     n = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
+    if name == "InklingForCausalLM":
+        window = getattr(config, "sliding_window_size", None)
     chunk = getattr(config, "attention_chunk_size", None)
     types = getattr(config, "layer_types", None)
     if types:
@@ -303,7 +339,7 @@ def _layer_kinds(model: nn.Module, impl: str, name: str) -> tuple[list[tuple[int
             if kind not in (*_ATTENTION, *_UNMASKED):
                 raise ModelError(f"model: {name} uses attention type {kind!r}, which snake does not support")
         # MiniMax windows its full-attention layers by config.sliding_window when it is set
-        windowed = ("sliding_attention", "full_attention") if name == "MiniMaxForCausalLM" else ("sliding_attention",)
+        windowed = (*_WINDOWED, "full_attention") if name == "MiniMaxForCausalLM" else _WINDOWED
         specs = [(int(window) if kind in windowed and window else None,
                   int(chunk) if kind == "chunked_attention" and chunk else None) for kind in kinds]
         # (recurrent layers take no mask: a hybrid whose attention layers all mask alike is uniform)
@@ -429,6 +465,8 @@ class _Rotary:
             if mod is None:
                 mod = copy.deepcopy(self.rotary).to(h.device)
                 self._per_device[h.device] = mod
+        if self.per_type and kind in _UNMASKED:  # a table per attention type; none for a recurrent layer
+            return None
         with torch.no_grad():
             return mod(h, position_ids, kind) if self.per_type else mod(h, position_ids)
 
