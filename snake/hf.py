@@ -83,6 +83,8 @@ _LLAMA_FAMILY = (
     "MiniCPM3ForCausalLM", "NanoChatForCausalLM", "PersimmonForCausalLM", "PhimoeForCausalLM", "Ministral3ForCausalLM",
     "VaultGemmaForCausalLM", "InklingForCausalLM",
 )
+# attention-free models of Mamba layers alone (`_mamba_parts`)
+_MAMBA = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
 # without `layer_types`, these window every layer's attention by config.sliding_window when
 # it is set (their forward picks create_sliding_window_causal_mask then)
 _WINDOW_FROM_CONFIG = (
@@ -129,6 +131,10 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
         )
     if isinstance(model, transformers.GPT2LMHeadModel):
         return _gpt2_parts(model)
+    for name in _MAMBA:
+        cls = getattr(transformers, name, None)
+        if cls is not None and isinstance(model, cls):
+            return _mamba_parts(model)
     for name in _LLAMA_FAMILY:
         cls = getattr(transformers, name, None)
         if cls is not None and isinstance(model, cls):
@@ -138,7 +144,7 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
 
 def supported() -> str:
     """The Hugging Face classes describe_hf recognises, for messages."""
-    return ", ".join(("GPT2LMHeadModel", *_LLAMA_FAMILY))
+    return ", ".join(("GPT2LMHeadModel", *_LLAMA_FAMILY, *_MAMBA))
 
 
 def _attn_impl(model: nn.Module) -> str:
@@ -178,6 +184,25 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
     t: Any = model.transformer
     return ModelParts(
         model=model, blocks=list(t.h), blocks_prefix="transformer.h", pre=pre, post=post, block_fn=block_fn
+    )
+
+
+def _mamba_parts(model: nn.Module) -> ModelParts:
+    """Mamba, Mamba 2 and Falcon Mamba: an embedding, Mamba layers that take the hidden
+    state alone (no mask: causal by construction; no positions), a final norm and the head."""
+
+    def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
+        return m.backbone.embeddings(idx)
+
+    def post(m: Any, h: torch.Tensor) -> torch.Tensor:
+        return m.lm_head(m.backbone.norm_f(h))
+
+    def block_fn(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return _hidden(block(h))
+
+    backbone: Any = model.backbone
+    return ModelParts(
+        model=model, blocks=list(backbone.layers), blocks_prefix="backbone.layers", pre=pre, post=post, block_fn=block_fn
     )
 
 

@@ -171,6 +171,10 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
         "sliding_window_size": 4, "d_rel": 4, "rel_extent": 32, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
         "mlp_layer_types": ["dense", "sparse", "sparse"], "moe_intermediate_size": 32, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "n_shared_experts": 1, "logits_mup_width_multiplier": 4.0}),
+    # Mamba layers alone (no attention: snake.hf._mamba_parts)
+    "mamba": ("Mamba", "Mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
+    "falconmamba": ("FalconMamba", "FalconMamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
+    "mamba2": ("Mamba2", "Mamba2", {"state_size": 16, "num_heads": 8, "head_dim": 16, "n_groups": 1, "chunk_size": 8}),
     # multi-head latent attention
     "youtu": ("Youtu", "Youtu", {**MLA, "head_dim": 8, "qk_head_dim": 24}),
     "minicpm3": ("MiniCPM3", "MiniCPM3", {**MLA, "head_dim": 8, "qk_head_dim": 24, "scale_emb": 12, "scale_depth": 1.4,
@@ -180,8 +184,9 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
         "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2, "routed_scaling_factor": 2.0}),
 }
 MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
-# no SDPA in transformers (soft-capped attention; attention sinks; MiMo-V2-Flash, RecurrentGemma)
-EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma")
+# no SDPA in transformers (soft-capped attention; attention sinks; MiMo-V2-Flash, RecurrentGemma;
+# Mamba has no attention)
+EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma", "mamba", "falconmamba", "mamba2")
 # models whose attention the options above window (sequences of 16 are longer)
 WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral"]
 
