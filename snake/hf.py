@@ -81,7 +81,9 @@ _LLAMA_FAMILY = (
     "MellumForCausalLM", "MiniMaxM2ForCausalLM", "NemotronForCausalLM", "SeedOssForCausalLM", "SolarOpenForCausalLM",
     "YoutuForCausalLM", "LongcatFlashForCausalLM", "MiMoV2FlashForCausalLM", "HyperCLOVAXForCausalLM",
     "MiniCPM3ForCausalLM", "NanoChatForCausalLM", "PersimmonForCausalLM", "PhimoeForCausalLM", "Ministral3ForCausalLM",
-    "VaultGemmaForCausalLM", "InklingForCausalLM",
+    "VaultGemmaForCausalLM", "InklingForCausalLM", "ApertusForCausalLM", "Apertus1p5TextForCausalLM", "AXK1ForCausalLM",
+    "AriaTextForCausalLM", "BailingHybridForCausalLM", "BitNetForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM",
+    "FlintForCausalLM", "HYV3ForCausalLM", "CohereCompassForCausalLM", "GraniteMoeSharedForCausalLM",
 )
 # attention-free models of Mamba layers alone (`_mamba_parts`)
 _MAMBA = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
@@ -262,7 +264,8 @@ class _Outside:
 
     def __init__(self, model: nn.Module, name: str) -> None:
         config: Any = model.config
-        granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM")
+        granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
+                           "GraniteMoeSharedForCausalLM")
         falcon = name == "FalconH1ForCausalLM"
         clova = name == "HyperCLOVAXForCausalLM"
         self.embed = "embeddings" if name == "NemotronHForCausalLM" else "embed_tokens"
@@ -273,7 +276,7 @@ class _Outside:
         self.head_div = (float(config.logits_scaling) if name == "MiniCPM3ForCausalLM"
                          else float(config.logits_mup_width_multiplier) if name == "InklingForCausalLM" else None)
         self.logits_div = float(config.logits_scaling) if granite else None
-        self.logits_mult = (float(config.logit_scale) if name.startswith("Cohere")
+        self.logits_mult = (float(config.logit_scale or 1.0) if name.startswith("Cohere")
                             else float(config.lm_head_multiplier) if falcon
                             else float(config.logits_scaling) if clova else None)
         cap_field = "logits_soft_cap" if name == "RecurrentGemmaForCausalLM" else "final_logit_softcapping"

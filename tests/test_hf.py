@@ -43,6 +43,7 @@ HYBRID = {"head_dim": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2
 MAMBA1 = {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8}
 MAMBA2 = {"mamba_n_heads": 8, "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
           "mamba_chunk_size": 8}
+SWA3 = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}
 ROPE_PER_TYPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}
 FAMILY: dict[str, tuple[str, str, dict]] = {
@@ -171,6 +172,29 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
         "sliding_window_size": 4, "d_rel": 4, "rel_extent": 32, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
         "mlp_layer_types": ["dense", "sparse", "sparse"], "moe_intermediate_size": 32, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "n_shared_experts": 1, "logits_mup_width_multiplier": 4.0}),
+    "apertus": ("Apertus", "Apertus", {}), "apertus15": ("Apertus1p5Text", "Apertus1p5Text", {}),
+    "bitnet": ("BitNet", "BitNet", {}), "cwm": ("Cwm", "Cwm", {"head_dim": 16, **SWA3}),
+    "flexolmo": ("FlexOlmo", "FlexOlmo", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "ariatext": ("AriaText", "AriaText", {"head_dim": 16, "moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
+    "flint": ("Flint", "Flint", {"head_dim": 16, **SWA3, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                 "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0]}),
+    "hyv3": ("HYV3", "HYV3", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                              "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    # its logit_scale None (the default) scales by 1, as its own forward does
+    "coherecompass": ("CohereCompassText", "CohereCompass", {"head_dim": 16, "logit_scale": None, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    "granitemoeshared": ("GraniteMoeShared", "GraniteMoeShared", {
+        "embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
+    "axk1": ("AXK1", "AXK1", {**MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "n_group": 1, "topk_group": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    "bailing": ("BailingHybrid", "BailingHybrid", {
+        **MLA, "head_dim": 16, "q_lora_rank": None, "num_experts": 4, "num_experts_per_token": 2,
+        "moe_intermediate_size": 32, "num_shared_experts": 1, "num_expert_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"], "linear_head_dim": 16,
+        "linear_num_heads": 4, "num_nextn_predict_layers": 0, "layer_group_size": 2}),
     # Mamba layers alone (no attention: snake.hf._mamba_parts)
     "mamba": ("Mamba", "Mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
     "falconmamba": ("FalconMamba", "FalconMamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
@@ -186,7 +210,8 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
 MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 # no SDPA in transformers (soft-capped attention; attention sinks; MiMo-V2-Flash, RecurrentGemma;
 # Mamba has no attention)
-EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma", "mamba", "falconmamba", "mamba2")
+EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma", "mamba", "falconmamba", "mamba2",
+              "flint")
 # models whose attention the options above window (sequences of 16 are longer)
 WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral"]
 
