@@ -48,8 +48,11 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 # its own attributes, snake's kernels set per layer); each is trained against plain PyTorch
 # in tests/test_hf.py. Hybrids of attention and recurrent layers (linear attention, Mamba,
 # short convolutions: `_UNMASKED` layer types, unmasked without padding) have layers of
-# two or more kinds. Not here: sparse attention with an indexer (DeepSeek V3.2), Zamba 2 (a
-# transformer block shared by several layers, fed the embedding beside the hidden state)
+# two or more kinds. Not here (snake asks for ModelParts): Zamba and Zamba 2 (a transformer
+# block shared by several layers), models that carry more than the hidden state from layer
+# to layer (hyper-connections: DeepSeek V4, HY-V4, Qwen4Exp; Zaya; Inkling 2) or run the same
+# layers in a loop (Dory, Inkling 2 Loop), token ids fed to every layer (Gemma 3n; Gemma 4's
+# per-layer inputs), and Doge (its dynamic mask under SDPA trains 1e-4 away from PyTorch)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -84,6 +87,10 @@ _LLAMA_FAMILY = (
     "VaultGemmaForCausalLM", "InklingForCausalLM", "ApertusForCausalLM", "Apertus1p5TextForCausalLM", "AXK1ForCausalLM",
     "AriaTextForCausalLM", "BailingHybridForCausalLM", "BitNetForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM",
     "FlintForCausalLM", "HYV3ForCausalLM", "CohereCompassForCausalLM", "GraniteMoeSharedForCausalLM",
+    # sparse attention whose indexer reads the causal mask to pick each query's keys
+    # (`_FULL_MASK`; "indexed_attention"): DeepSeek V3.2, GLM's `GlmMoeDsa`, AXK2, dots3
+    # note; the indexer runs under no_grad, so its weights stay as they are, as in PyTorch
+    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM",
 )
 # attention-free models of Mamba layers alone (`_mamba_parts`)
 _MAMBA = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
@@ -102,7 +109,10 @@ _SUPPORTED_ATTN = ("eager", *_SELF_CAUSAL)
 # all snake trains on), or none at all (Nemotron-H's "moe" and "mlp" layers)
 _UNMASKED = ("linear_attention", "conv", "moe", "mlp")
 # layer types with softmax attention ("hybrid": Falcon-H1's attention beside Mamba, causal)
-_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding", "indexed_attention")
+# models given the whole causal mask under SDPA too (transformers: allow_is_causal_skip=False),
+# as SDPA's boolean mask, because their layers read it (snake's `_MaskCache(full=True)`)
+_FULL_MASK = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM")
 # layer types windowed by the config's window (Inkling's "hybrid_sliding": `sliding_window_size`)
 _WINDOWED = ("sliding_attention", "hybrid_sliding")
 # models whose rotary table only layers of these types take (the others: position_embeddings=None)
@@ -213,7 +223,8 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     impl = _attn_impl(model)
     _refuse_what_layers_cannot_carry(model)
     specs, kinds = _layer_kinds(model, impl, name)
-    masks = {spec: _MaskCache(impl, window=spec[0], chunk=spec[1]) for spec in set(specs)}
+    full = name in _FULL_MASK
+    masks = {spec: _MaskCache(impl, window=spec[0], chunk=spec[1], full=full) for spec in set(specs)}
     rotary = _Rotary(getattr(inner, "pos_emb" if name == "Lfm2MoeForCausalLM" else "rotary_emb", None))
     rotary_only = _ROTARY_ONLY.get(name)
     outside = _Outside(model, name)
@@ -432,12 +443,15 @@ class _MaskCache:
     """The attention mask a layer needs for a (T, dtype, device): None where the attention
     kernel masks causally by itself, else an additive (1, 1, T, T) mask with the dtype's
     minimum above the diagonal (and before the sliding window, or outside the query's chunk
-    of `chunk` tokens: Llama 4's chunked attention), as transformers builds it."""
+    of `chunk` tokens: Llama 4's chunked attention), as transformers builds it. With `full`
+    always a mask, under SDPA a boolean one (True: attend), as transformers builds it when
+    told not to skip it."""
 
-    def __init__(self, impl: str, window: int | None, chunk: int | None = None) -> None:
+    def __init__(self, impl: str, window: int | None, chunk: int | None = None, *, full: bool = False) -> None:
         self.impl = impl
         self.window = window
         self.chunk = chunk
+        self.full = full
         self._cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -447,7 +461,7 @@ class _MaskCache:
         needs_chunk = self.chunk is not None and T > self.chunk
         if self.impl.startswith("flash_attention"):
             return None  # flash kernels get the window from the layer itself
-        if self.impl in _SELF_CAUSAL and not needs_window and not needs_chunk:
+        if self.impl in _SELF_CAUSAL and not needs_window and not needs_chunk and not self.full:
             return None
         key = (T, h.dtype, h.device)
         with self._lock:
@@ -462,9 +476,12 @@ class _MaskCache:
                 if needs_chunk:
                     assert self.chunk is not None
                     allowed &= (k // self.chunk) == (q // self.chunk)
-                mask = torch.zeros(T, T, dtype=h.dtype, device=h.device)
-                mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
-                mask = mask[None, None]
+                if self.full and self.impl == "sdpa":  # as transformers builds it for SDPA
+                    mask = allowed[None, None]
+                else:
+                    mask = torch.zeros(T, T, dtype=h.dtype, device=h.device)
+                    mask.masked_fill_(~allowed, torch.finfo(h.dtype).min)
+                    mask = mask[None, None]
                 if len(self._cache) > 16:
                     self._cache.clear()
                 self._cache[key] = mask
