@@ -87,6 +87,7 @@ _LLAMA_FAMILY = (
     "VaultGemmaForCausalLM", "InklingForCausalLM", "ApertusForCausalLM", "Apertus1p5TextForCausalLM", "AXK1ForCausalLM",
     "AriaTextForCausalLM", "BailingHybridForCausalLM", "BitNetForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM",
     "FlintForCausalLM", "HYV3ForCausalLM", "CohereCompassForCausalLM", "GraniteMoeSharedForCausalLM",
+    "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
     # sparse attention whose indexer reads the causal mask to pick each query's keys
     # (`_FULL_MASK`; "indexed_attention"): DeepSeek V3.2, GLM's `GlmMoeDsa`, AXK2, dots3
     # note; the indexer runs under no_grad, so its weights stay as they are, as in PyTorch
@@ -115,6 +116,8 @@ _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybri
 _FULL_MASK = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM")
 # layer types windowed by the config's window (Inkling's "hybrid_sliding": `sliding_window_size`)
 _WINDOWED = ("sliding_attention", "hybrid_sliding")
+# models with a rotary base per layer (`_rotary_by_layer`)
+_ROTARY_BY_LAYER = ("GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
 # models whose rotary table only layers of these types take (the others: position_embeddings=None)
 _ROTARY_ONLY = {"LaraMiniForCausalLM": ("sliding_attention",)}
 
@@ -199,6 +202,16 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
     )
 
 
+def _rotary_by_layer(model: nn.Module) -> list[_Rotary | None]:
+    """Granite SWA's rotary table per layer: one per base (`config.layer_rope_theta`, one
+    model-level table per distinct base in `model.rotary_embs`), None where the base is 0
+    (no positions: NoPE)."""
+    config: Any = model.config
+    inner: Any = model.model
+    tables = {float(emb.config.rope_parameters["rope_theta"]): _Rotary(emb) for emb in inner.rotary_embs}
+    return [tables[float(theta)] if theta else None for theta in config.layer_rope_theta]
+
+
 def _mamba_parts(model: nn.Module) -> ModelParts:
     """Mamba, Mamba 2 and Falcon Mamba: an embedding, Mamba layers that take the hidden
     state alone (no mask: causal by construction; no positions), a final norm and the head."""
@@ -227,6 +240,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     masks = {spec: _MaskCache(impl, window=spec[0], chunk=spec[1], full=full) for spec in set(specs)}
     rotary = _Rotary(getattr(inner, "pos_emb" if name == "Lfm2MoeForCausalLM" else "rotary_emb", None))
     rotary_only = _ROTARY_ONLY.get(name)
+    by_layer = _rotary_by_layer(model) if name in _ROTARY_BY_LAYER else None
     outside = _Outside(model, name)
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
@@ -251,8 +265,11 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             "position_ids": position_ids,
             "use_cache": False,
         }
-        pe = rotary(h, position_ids, kinds[layer])
-        if rotary_only is not None:
+        pe = rotary(h, position_ids, kinds[layer]) if by_layer is None else None
+        if by_layer is not None:  # the layer's own table, or none (NoPE)
+            own = by_layer[layer]
+            kwargs["position_embeddings"] = own(h, position_ids, kinds[layer]) if own is not None else None
+        elif rotary_only is not None:
             kwargs["position_embeddings"] = pe if kinds[layer] in rotary_only else None
         elif pe is not None:
             kwargs["position_embeddings"] = pe
@@ -276,7 +293,7 @@ class _Outside:
     def __init__(self, model: nn.Module, name: str) -> None:
         config: Any = model.config
         granite = name in ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
-                           "GraniteMoeSharedForCausalLM")
+                           "GraniteMoeSharedForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
         falcon = name == "FalconH1ForCausalLM"
         clova = name == "HyperCLOVAXForCausalLM"
         self.embed = "embeddings" if name == "NemotronHForCausalLM" else "embed_tokens"

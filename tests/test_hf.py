@@ -45,6 +45,7 @@ MAMBA2 = {"mamba_n_heads": 8, "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_d
           "mamba_chunk_size": 8}
 DSA = {**MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
        "mlp_layer_types": ["dense", "sparse", "sparse"], "index_topk": 4, "index_head_dim": 16, "index_n_heads": 2}
+GMUL = {"embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25}
 SWA3 = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}
 ROPE_PER_TYPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}
@@ -187,8 +188,12 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
         "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     "granitemoeshared": ("GraniteMoeShared", "GraniteMoeShared", {
-        "embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25,
-        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
+        **GMUL, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
+    # a rotary base per layer, none (NoPE) in layer 2
+    "graniteswa": ("GraniteSWA", "GraniteSWA", {**GMUL, **SWA3, "layer_rope_theta": [10000.0, 500000.0, 0.0]}),
+    "granitemoeswa": ("GraniteMoeSWA", "GraniteMoeSWA", {
+        **GMUL, **SWA3, "layer_rope_theta": [10000.0, 500000.0, 10000.0], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
     "axk1": ("AXK1", "AXK1", {**MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "n_group": 1, "topk_group": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
     "bailing": ("BailingHybrid", "BailingHybrid", {
@@ -222,7 +227,7 @@ MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 # no SDPA in transformers (soft-capped attention; attention sinks; MiMo-V2-Flash, RecurrentGemma;
 # Mamba has no attention)
 EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma", "mamba", "falconmamba", "mamba2",
-              "flint")
+              "flint", "graniteswa", "granitemoeswa")
 # models whose attention the options above window (sequences of 16 are longer)
 WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral"]
 
