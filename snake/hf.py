@@ -87,7 +87,7 @@ _LLAMA_FAMILY = (
     "VaultGemmaForCausalLM", "InklingForCausalLM", "ApertusForCausalLM", "Apertus1p5TextForCausalLM", "AXK1ForCausalLM",
     "AriaTextForCausalLM", "BailingHybridForCausalLM", "BitNetForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM",
     "FlintForCausalLM", "HYV3ForCausalLM", "CohereCompassForCausalLM", "GraniteMoeSharedForCausalLM",
-    "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
+    "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "BeamForCausalLM",
     # sparse attention whose indexer reads the causal mask to pick each query's keys
     # (`_FULL_MASK`; "indexed_attention"): DeepSeek V3.2, GLM's `GlmMoeDsa`, AXK2, dots3
     # note; the indexer runs under no_grad, so its weights stay as they are, as in PyTorch
@@ -212,6 +212,12 @@ def _rotary_by_layer(model: nn.Module) -> list[_Rotary | None]:
     return [tables[float(theta)] if theta else None for theta in config.layer_rope_theta]
 
 
+def _nope_scaling(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Beam's query scale by position for its layers without rotary positions, from its own
+    modeling module."""
+    return sys.modules[type(model).__module__].compute_attention_scaling  # type: ignore[no-any-return]
+
+
 def _mamba_parts(model: nn.Module) -> ModelParts:
     """Mamba, Mamba 2 and Falcon Mamba: an embedding, Mamba layers that take the hidden
     state alone (no mask: causal by construction; no positions), a final norm and the head."""
@@ -241,6 +247,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     rotary = _Rotary(getattr(inner, "pos_emb" if name == "Lfm2MoeForCausalLM" else "rotary_emb", None))
     rotary_only = _ROTARY_ONLY.get(name)
     by_layer = _rotary_by_layer(model) if name in _ROTARY_BY_LAYER else None
+    nope_scaling = _nope_scaling(model) if name == "BeamForCausalLM" else None
     outside = _Outside(model, name)
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
@@ -250,6 +257,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
         return outside.post(m, h)
 
     uniform = len(set(zip(specs, kinds, strict=True))) == 1
+    model_config: Any = model.config
 
     def block_fn(block: nn.Module, h: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         if layer is None:  # a caller from before layers could differ
@@ -265,8 +273,12 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             "position_ids": position_ids,
             "use_cache": False,
         }
-        pe = rotary(h, position_ids, kinds[layer]) if by_layer is None else None
-        if by_layer is not None:  # the layer's own table, or none (NoPE)
+        nope = nope_scaling is not None and model_config.rope_parameters[kinds[layer]] is None
+        pe = rotary(h, position_ids, kinds[layer]) if by_layer is None and not nope else None
+        if nope_scaling is not None:  # Beam: no rotary on some types, a query scale by position there
+            kwargs["position_embeddings"] = pe
+            kwargs["attention_scaling"] = nope_scaling(position_ids) if nope else None
+        elif by_layer is not None:  # the layer's own table, or none (NoPE)
             own = by_layer[layer]
             kwargs["position_embeddings"] = own(h, position_ids, kinds[layer]) if own is not None else None
         elif rotary_only is not None:
@@ -308,10 +320,11 @@ class _Outside:
                             else float(config.lm_head_multiplier) if falcon
                             else float(config.logits_scaling) if clova else None)
         cap_field = "logits_soft_cap" if name == "RecurrentGemmaForCausalLM" else "final_logit_softcapping"
-        capped = "Gemma" in name or name == "NanoChatForCausalLM"
+        capped = "Gemma" in name or name in ("NanoChatForCausalLM", "BeamForCausalLM")
         cap = getattr(config, cap_field, None) if capped else None
         self.softcap = float(cap) if cap else None
-        self.to_float = name == "NemotronHForCausalLM"
+        # Nemotron-H's logits, and Beam's before its soft cap, in float32
+        self.to_float = name == "NemotronHForCausalLM" or (name == "BeamForCausalLM" and self.softcap is not None)
 
     def pre(self, m: Any, idx: torch.Tensor) -> torch.Tensor:
         h = getattr(m.model, self.embed)(idx)
@@ -338,10 +351,10 @@ class _Outside:
             logits = logits / self.logits_div
         if self.logits_mult is not None:
             logits = logits * self.logits_mult
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.to_float:
             logits = logits.float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
 

@@ -194,6 +194,11 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
     "granitemoeswa": ("GraniteMoeSWA", "GraniteMoeSWA", {
         **GMUL, **SWA3, "layer_rope_theta": [10000.0, 500000.0, 10000.0], "num_local_experts": 4,
         "num_experts_per_tok": 2, "shared_intermediate_size": 32}),
+    # no rotary positions on its full-attention layers (a query scale by position instead)
+    "beam": ("Beam", "Beam", {
+        "head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+        "mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 1, "topk_group": 1, "final_logit_softcapping": 5.0}),
     "axk1": ("AXK1", "AXK1", {**MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "n_group": 1, "topk_group": 1, "mlp_layer_types": ["dense", "sparse", "sparse"]}),
     "bailing": ("BailingHybrid", "BailingHybrid", {
