@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -150,6 +151,10 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
         cls = getattr(transformers, name, None)
         if cls is not None and isinstance(model, cls):
             return _mamba_parts(model)
+    for name in _OLD:
+        cls = getattr(transformers, name, None)
+        if cls is not None and isinstance(model, cls):
+            return _old_parts(model, name)
     for name in _LLAMA_FAMILY:
         cls = getattr(transformers, name, None)
         if cls is not None and isinstance(model, cls):
@@ -159,7 +164,7 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
 
 def supported() -> str:
     """The Hugging Face classes describe_hf recognises, for messages."""
-    return ", ".join(("GPT2LMHeadModel", *_LLAMA_FAMILY, *_MAMBA))
+    return ", ".join(("GPT2LMHeadModel", *_LLAMA_FAMILY, *_MAMBA, *_OLD))
 
 
 def _attn_impl(model: nn.Module) -> str:
@@ -199,6 +204,162 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
     t: Any = model.transformer
     return ModelParts(
         model=model, blocks=list(t.h), blocks_prefix="transformer.h", pre=pre, post=post, block_fn=block_fn
+    )
+
+
+class _OldLayout(NamedTuple):
+    """Where an older (non-Llama) causal LM keeps its parts: the inner model (`base`, a dotted
+    path on the model), and under it the layers, the token embedding, learned or sinusoidal
+    positions (None: none) and the final norm (None: none); the head is on the model itself.
+    `block`: what the layers take besides the hidden state and the mask ("plain"; "rotary":
+    position ids and the base's `rotary_emb` table; "falcon", "bloom", "mpt": ALiBi or the
+    causal mask as those models build them)."""
+
+    base: str
+    layers: str
+    embed: str
+    positions: str | None
+    norm: str | None
+    head: str
+    block: str
+
+
+_OLD: dict[str, _OldLayout] = {
+    "GPTNeoXForCausalLM": _OldLayout("gpt_neox", "layers", "embed_in", None, "final_layer_norm", "lm_head", "rotary"),
+    "GPTNeoXJapaneseForCausalLM": _OldLayout(
+        "gpt_neox_japanese", "layers", "embed_in", None, "final_layer_norm", "embed_out", "rotary"),
+    "GPTJForCausalLM": _OldLayout("transformer", "h", "wte", None, "ln_f", "lm_head", "rotary"),
+    "CodeGenForCausalLM": _OldLayout("transformer", "h", "wte", None, "ln_f", "lm_head", "rotary"),
+    "DbrxForCausalLM": _OldLayout("transformer", "blocks", "wte", None, "norm_f", "lm_head", "rotary"),
+    "FalconForCausalLM": _OldLayout("transformer", "h", "word_embeddings", None, "ln_f", "lm_head", "falcon"),
+    "BloomForCausalLM": _OldLayout("transformer", "h", "word_embeddings", None, "ln_f", "lm_head", "bloom"),
+    "MptForCausalLM": _OldLayout("transformer", "blocks", "wte", None, "norm_f", "lm_head", "mpt"),
+    "GPTBigCodeForCausalLM": _OldLayout("transformer", "h", "wte", "wpe", "ln_f", "lm_head", "plain"),
+    "GPTNeoForCausalLM": _OldLayout("transformer", "h", "wte", "wpe", "ln_f", "lm_head", "plain"),
+    "OPTForCausalLM": _OldLayout("model.decoder", "layers", "embed_tokens", "embed_positions", "final_layer_norm",
+                                 "lm_head", "plain"),
+    "XGLMForCausalLM": _OldLayout("model", "layers", "embed_tokens", "embed_positions", "layer_norm", "lm_head", "plain"),
+    "BioGptForCausalLM": _OldLayout("biogpt", "layers", "embed_tokens", "embed_positions", "layer_norm",
+                                    "output_projection", "plain"),
+}
+
+
+def _old_parts(model: nn.Module, name: str) -> ModelParts:
+    """The older causal LMs of `_OLD`: pre is the embedding (plus learned positions, Bloom's
+    embedding norm, OPT's input projection, the embedding dropout), post the final norm (OPT's
+    output projection) and the head; the layers get the causal mask, and where the model
+    gives them one, position ids with the rotary table or an ALiBi bias built from T."""
+    config: Any = model.config
+    lay = _OLD[name]
+    impl = _attn_impl(model)
+    _refuse_what_layers_cannot_carry(model)  # DBRX's output_router_logits
+    base: Any = model.get_submodule(lay.base)
+    if getattr(config, "add_cross_attention", False):
+        raise ModelError(f"model: {name} has add_cross_attention=True; snake trains decoder-only causal LMs")
+    if float(getattr(config, "layerdrop", 0.0) or 0.0) > 0.0:
+        raise ModelError(
+            f"model: {name} has layerdrop={config.layerdrop}, which skips whole layers at random in "
+            "training; snake runs every layer: set model.config.layerdrop = 0.0 (and the model's)"
+        )
+    # Falcon materialises its mask under SDPA too (ALiBi is added onto it); the others mask
+    # causally by themselves under SDPA (GPT-Neo's, Bloom's, MPT's layers mask by themselves, eager only)
+    masks = _MaskCache(impl, window=None, full=lay.block == "falcon")
+    rotary = _Rotary(base.rotary_emb if lay.block == "rotary" or (lay.block == "falcon" and not base.use_alibi) else None)
+    pos_mod = getattr(base, lay.positions) if lay.positions else None
+    # learned positions: a table of rows (OPT and BioGPT: 2 rows ahead of position 0)
+    n_positions = (int(pos_mod.num_embeddings) - int(getattr(pos_mod, "offset", 0))
+                   if isinstance(pos_mod, nn.Embedding) else None)
+    # dropout of the embedding: a module (`drop`, `emb_dropout`) or a rate (XGLM, BioGPT)
+    drop_name = next((d for d in ("drop", "emb_dropout") if isinstance(getattr(base, d, None), nn.Dropout)), None)
+    mpt_max = int(getattr(config, "max_seq_len", 0) or 0)
+    drop_p = float(base.dropout) if name in ("XGLMForCausalLM", "BioGptForCausalLM") else 0.0
+    norm, head, embed = lay.norm, lay.head, lay.embed
+
+    def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[-1]
+        if name == "MptForCausalLM" and T > mpt_max:  # its forward builds ALiBi for max_seq_len keys
+            raise DataError(
+                f"data: sequence length {T} exceeds MPT's max_seq_len={mpt_max}; give shorter rows or "
+                "raise model.config.max_seq_len (ALiBi extends to longer sequences)"
+            )
+        if n_positions is not None and T > n_positions:
+            raise DataError(
+                f"data: sequence length {T} exceeds the {n_positions} learned positions of {name}; "
+                "give batches of at most that many tokens per row"
+            )
+        b = m.get_submodule(lay.base)
+        h = getattr(b, embed)(idx)
+        if name == "BloomForCausalLM":
+            h = b.word_embeddings_layernorm(h)
+        if name == "OPTForCausalLM" and b.project_in is not None:
+            h = b.project_in(h)
+        if pos_mod is not None:
+            pos = torch.arange(T, device=idx.device)[None]
+            p = getattr(b, str(lay.positions))
+            # OPT and BioGPT: (attention_mask, cache_length, position_ids); XGLM: (position_ids, cache_length)
+            h = h + (p(pos, 0) if name == "XGLMForCausalLM" else p(None, 0, position_ids=pos)
+                     if name in ("OPTForCausalLM", "BioGptForCausalLM") else p(pos)).to(h.dtype)
+        if drop_name is not None:
+            h = getattr(b, drop_name)(h)
+        if drop_p > 0.0:
+            h = nn.functional.dropout(h, p=drop_p, training=m.training)
+        return h
+
+    def post(m: Any, h: torch.Tensor) -> torch.Tensor:
+        b = m.get_submodule(lay.base)
+        if norm is not None and getattr(b, norm, None) is not None:  # OPT-350m: no final norm
+            h = getattr(b, norm)(h)
+        if name == "OPTForCausalLM" and b.project_out is not None:
+            h = b.project_out(h)
+        return getattr(m, head)(h)
+
+    n_heads = int(getattr(base, "num_heads", 0) or getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(config.hidden_size) // n_heads if n_heads else 0
+    falcon_alibi = lay.block == "falcon" and bool(base.use_alibi)
+    if falcon_alibi and impl.startswith("flash_attention"):
+        raise ModelError(f"model: {name} with alibi=True adds ALiBi onto its mask: load it with "
+                         "attn_implementation='sdpa' (or 'eager')")
+
+    def block_fn(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        B, T = h.shape[:2]
+        mask = masks.get(h)
+        if lay.block == "plain":  # (XGLM checks the mask's batch size)
+            mask = mask.expand(B, -1, -1, -1) if mask is not None else None
+            return _hidden(block(h, attention_mask=mask, use_cache=False))
+        if lay.block == "rotary":
+            position_ids = torch.arange(T, device=h.device)[None]
+            return _hidden(block(h, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                                 position_embeddings=rotary(h, position_ids, "full_attention")))
+        if lay.block == "bloom":
+            from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+            alibi = _get_alibi_slopes(n_heads, h.device)[:, None, None] * torch.arange(T, device=h.device)
+            alibi = alibi.repeat(B, 1, 1).to(h.dtype)
+            return _hidden(block(h, alibi=alibi, attention_mask=mask, use_cache=False))
+        if lay.block == "mpt":
+            from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+            bias = build_mpt_alibi_tensor(n_heads, mpt_max, device=h.device)  # sliced to T keys by the layer
+            assert mask is not None  # eager only: always a mask
+            return _hidden(block(h, position_bias=bias, attention_mask=mask.to(torch.bool), use_cache=False))
+        # Falcon: rotary positions, or ALiBi divided by sqrt(head_dim) added onto the causal mask
+        position_ids = torch.arange(T, device=h.device)[None]
+        if not falcon_alibi:
+            return _hidden(block(h, alibi=None, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                                 position_embeddings=rotary(h, position_ids, "full_attention")))
+        from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+        alibi = build_alibi_tensor(torch.ones(B, T, dtype=torch.long, device=h.device), n_heads, dtype=h.dtype)
+        min_dtype = torch.finfo(h.dtype).min
+        assert mask is not None  # full=True: always a mask (flash refused above)
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, torch.full((), 0.0, device=h.device, dtype=h.dtype), min_dtype)
+        mask = torch.masked_fill(alibi.reshape(B, -1, *alibi.shape[1:]) / math.sqrt(head_dim), mask < -1, min_dtype)
+        return _hidden(block(h, alibi=alibi, attention_mask=mask, position_ids=position_ids, use_cache=False))
+
+    return ModelParts(
+        model=model, blocks=list(getattr(base, lay.layers)), blocks_prefix=f"{lay.base}.{lay.layers}",
+        pre=pre, post=post, block_fn=block_fn,
     )
 
 
