@@ -678,6 +678,9 @@ def test_what_layers_cannot_carry_is_refused():
     # a loss term beside the language model's (Bamba's z-loss), which snake would leave out
     with pytest.raises(ModelError, match=r"z_loss_coefficient=0.1.*z_loss_coefficient = 0.0"):
         describe(make("bamba", z_loss_coefficient=0.1))
+    # layerdrop skips whole layers at random (OPT, XGLM, BioGPT); snake runs every layer
+    with pytest.raises(ModelError, match=r"layerdrop=0.1.*layerdrop = 0.0"):
+        describe(make("opt", layerdrop=0.1))
 
 
 def test_load_hf_falls_back_to_eager_for_a_model_without_sdpa():
