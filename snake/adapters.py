@@ -42,7 +42,8 @@ class ModelParts:
     parameter is called as block_fn(block, hidden, layer=i). State a layer changes in its
     own forward (a call counter) is not kept per layer, and the backward runs each layer's
     forward again (as PyTorch's checkpointing does). Parameters outside the blocks are
-    resident; tied weights must be there."""
+    resident; tied weights must be there. hidden_fp32: what keeps the hidden state between
+    layers in float32 (a config field, for messages), or None."""
 
     model: nn.Module
     blocks: Sequence[nn.Module]
@@ -50,6 +51,10 @@ class ModelParts:
     pre: PreFn
     post: PostFn
     block_fn: BlockFn = _call_block
+    # set where the model keeps the hidden state between its layers in float32 whatever it
+    # computes in (Mamba's `residual_in_fp32`): snake stores that state in the compute dtype,
+    # so the trainer refuses a lower one for such a model rather than round it at every layer
+    hidden_fp32: str | None = None
 
 
 def describe(model: nn.Module | ModelParts) -> ModelParts:

@@ -387,14 +387,18 @@ def _mamba_parts(model: nn.Module) -> ModelParts:
         return m.backbone.embeddings(idx)
 
     def post(m: Any, h: torch.Tensor) -> torch.Tensor:
-        return m.lm_head(m.backbone.norm_f(h))
+        # the norm keeps the residual's float32 (`residual_in_fp32`); the head takes its own dtype
+        h = m.backbone.norm_f(h)
+        return m.lm_head(h.to(m.lm_head.weight.dtype)).float()
 
     def block_fn(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return _hidden(block(h))
 
     backbone: Any = model.backbone
+    fp32 = "model.config.residual_in_fp32" if getattr(model.config, "residual_in_fp32", False) else None
     return ModelParts(
-        model=model, blocks=list(backbone.layers), blocks_prefix="backbone.layers", pre=pre, post=post, block_fn=block_fn
+        model=model, blocks=list(backbone.layers), blocks_prefix="backbone.layers", pre=pre, post=post,
+        block_fn=block_fn, hidden_fp32=fp32,
     )
 
 

@@ -11,7 +11,15 @@ import torch
 import transformers as tf
 from torch import nn
 
-from snake import DataError, ModelError, ModelParts, Placement, SnakeConfig, SnakeTrainer
+from snake import (
+    ConfigError,
+    DataError,
+    ModelError,
+    ModelParts,
+    Placement,
+    SnakeConfig,
+    SnakeTrainer,
+)
 from snake.adapters import call_block, describe, layer_kinds
 from snake.hf import describe_hf, export_hf, load_hf
 from tests.helpers import assert_close_state, batches
@@ -802,6 +810,38 @@ async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_pa
     want = mixed_reference(model, data, 2)
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
                       alpha=0.3, device="cpu", dtype="bfloat16")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await asyncio.wait_for(trainer.run(3), timeout=120)
+        got = await trainer.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["mamba", "mamba2", "falconmamba"])
+async def test_bf16_mamba_follows_plain_mixed_precision_or_is_refused(tmp_path, kind):
+    """Mamba keeps its residual stream in float32 between layers by default
+    (`residual_in_fp32`), which snake would store in bfloat16: refused before anything is
+    made, naming the fix. Without it (and with its head untied: a tied weight's two
+    gradients are summed in fp32 by snake, in bf16 by autograd) a bf16 run gives plain
+    PyTorch mixed precision's weights. (Before the refusal a default bf16 Mamba failed in
+    its head with a dtype mismatch, float32 hidden state against bf16 weights.)"""
+    from tests.helpers import mixed_reference
+
+    def bf16(**kw):
+        fp32 = make(kind, **kw)
+        model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16, attn_implementation="eager")
+        model.load_state_dict(fp32.state_dict())
+        return model
+
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.3, device="cpu", dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"dtype='bfloat16'.*residual_in_fp32 = True.*dtype='float32'"):
+        SnakeTrainer(bf16(), data=data, config=cfg)
+    assert not (tmp_path / "off").exists()
+    model = bf16(residual_in_fp32=False, tie_word_embeddings=False)
+    want = mixed_reference(model, data, 2)
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         await asyncio.wait_for(trainer.run(3), timeout=120)
         got = await trainer.state_dict()
