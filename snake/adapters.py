@@ -43,7 +43,8 @@ class ModelParts:
     own forward (a call counter) is not kept per layer, and the backward runs each layer's
     forward again (as PyTorch's checkpointing does). Parameters outside the blocks are
     resident; tied weights must be there. hidden_fp32: what keeps the hidden state between
-    layers in float32 (a config field, for messages), or None."""
+    layers in float32 (a config field, for messages), or None. forward_with_grad: run the
+    forward with autograd on (see the field)."""
 
     model: nn.Module
     blocks: Sequence[nn.Module]
@@ -55,6 +56,11 @@ class ModelParts:
     # computes in (Mamba's `residual_in_fp32`): snake stores that state in the compute dtype,
     # so the trainer refuses a lower one for such a model rather than round it at every layer
     hidden_fp32: str | None = None
+    # run each layer's forward with autograd on, as its backward's recompute runs it, for
+    # layers whose kernels choose their algorithm by requires_grad (an attention mask computed
+    # from the layer's own weights: CPU SDPA takes another kernel when it needs a gradient);
+    # costs a graph per forward, freed at once
+    forward_with_grad: bool = False
 
 
 def describe(model: nn.Module | ModelParts) -> ModelParts:

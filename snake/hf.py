@@ -53,7 +53,7 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 # block shared by several layers), models that carry more than the hidden state from layer
 # to layer (hyper-connections: DeepSeek V4, HY-V4, Qwen4Exp; Zaya; Inkling 2) or run the same
 # layers in a loop (Dory, Inkling 2 Loop), token ids fed to every layer (Gemma 3n; Gemma 4's
-# per-layer inputs), and Doge (its dynamic mask under SDPA trains 1e-4 away from PyTorch)
+# per-layer inputs)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -91,8 +91,9 @@ _LLAMA_FAMILY = (
     "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "BeamForCausalLM",
     # sparse attention whose indexer reads the causal mask to pick each query's keys
     # (`_FULL_MASK`; "indexed_attention"): DeepSeek V3.2, GLM's `GlmMoeDsa`, AXK2, dots3
-    # note; the indexer runs under no_grad, so its weights stay as they are, as in PyTorch
-    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM",
+    # note; the indexer runs under no_grad, so its weights stay as they are, as in PyTorch;
+    # and Doge, whose dynamic mask keeps each query's top keys of the causal ones
+    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM", "DogeForCausalLM",
 )
 # attention-free models of Mamba layers alone (`_mamba_parts`)
 _MAMBA = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
@@ -114,9 +115,13 @@ _UNMASKED = ("linear_attention", "conv", "moe", "mlp")
 _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding", "indexed_attention")
 # models given the whole causal mask under SDPA too (transformers: allow_is_causal_skip=False),
 # as SDPA's boolean mask, because their layers read it (snake's `_MaskCache(full=True)`)
-_FULL_MASK = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM")
+_FULL_MASK = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "AXK2ForCausalLM", "Dots3NoteForCausalLM", "DogeForCausalLM")
 # layer types windowed by the config's window (Inkling's "hybrid_sliding": `sliding_window_size`)
 _WINDOWED = ("sliding_attention", "hybrid_sliding")
+# models whose attention mask is computed from the layer's own weights (Inkling's relative
+# position bias, Doge's dynamic mask): their forward runs with autograd on
+# (`ModelParts.forward_with_grad`)
+_LEARNED_MASK = ("InklingForCausalLM", "DogeForCausalLM")
 # models with a rotary base per layer (`_rotary_by_layer`)
 _ROTARY_BY_LAYER = ("GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
 # models whose rotary table only layers of these types take (the others: position_embeddings=None)
@@ -439,7 +444,9 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             "use_cache": False,
         }
         nope = nope_scaling is not None and model_config.rope_parameters[kinds[layer]] is None
-        pe = rotary(h, position_ids, kinds[layer]) if by_layer is None and not nope else None
+        # dots3 note: the indexed layers' table from the hidden state in float32, as its forward builds it
+        at = h.float() if name == "Dots3NoteForCausalLM" and kinds[layer] == "indexed_attention" else h
+        pe = rotary(at, position_ids, kinds[layer]) if by_layer is None and not nope else None
         if nope_scaling is not None:  # Beam: no rotary on some types, a query scale by position there
             kwargs["position_embeddings"] = pe
             kwargs["attention_scaling"] = nope_scaling(position_ids) if nope else None
@@ -453,7 +460,8 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
         return _hidden(block(h, **kwargs))
 
     return ModelParts(
-        model=model, blocks=list(inner.layers), blocks_prefix="model.layers", pre=pre, post=post, block_fn=block_fn
+        model=model, blocks=list(inner.layers), blocks_prefix="model.layers", pre=pre, post=post, block_fn=block_fn,
+        forward_with_grad=name in _LEARNED_MASK,
     )
 
 

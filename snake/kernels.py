@@ -319,6 +319,14 @@ class Kernels:
         return h.detach().to(self.dtype).contiguous()
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
+        if self.parts.forward_with_grad:
+            # as the backward's recompute (and PyTorch's training step) runs it: the layer's
+            # kernels pick their algorithm by requires_grad (CPU SDPA: flash unless its mask, a
+            # learned bias, needs a gradient); the graph is freed on return
+            params = [v.detach().requires_grad_(True) for v in self.views(slot, layer)]
+            with torch.enable_grad(), self.rng(t, layer, m):
+                y = self.bind(params, layer, self.frozen_views(slot, layer))(x.detach().requires_grad_(True), layer)
+            return y.detach().contiguous()
         with torch.no_grad(), self.rng(t, layer, m):
             y = self.bind(self.views(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
         return y.contiguous()
