@@ -300,10 +300,14 @@ def _old_parts(model: nn.Module, name: str) -> ModelParts:
             h = b.project_in(h)
         if pos_mod is not None:
             pos = torch.arange(T, device=idx.device)[None]
-            p = getattr(b, str(lay.positions))
-            # OPT and BioGPT: (attention_mask, cache_length, position_ids); XGLM: (position_ids, cache_length)
-            h = h + (p(pos, 0) if name == "XGLMForCausalLM" else p(None, 0, position_ids=pos)
-                     if name in ("OPTForCausalLM", "BioGptForCausalLM") else p(pos)).to(h.dtype)
+            table = getattr(b, str(lay.positions))
+            if name == "XGLMForCausalLM":  # (position_ids, cache_length)
+                at = table(pos, 0)
+            elif name in ("OPTForCausalLM", "BioGptForCausalLM"):  # (attention_mask, cache_length, position_ids)
+                at = table(None, 0, position_ids=pos)
+            else:
+                at = table(pos)
+            h = h + at.to(h.dtype)
         if drop_name is not None:
             h = getattr(b, drop_name)(h)
         if drop_p > 0.0:
