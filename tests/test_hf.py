@@ -442,6 +442,17 @@ def test_more_of_the_family_match_their_forward(kind):
         torch.testing.assert_close(parts_logits(describe(model), idx), model(idx).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [k for k in FAMILY if k not in EAGER_ONLY])
+def test_the_family_matches_its_forward_under_eager_attention(kind):
+    """The tests above run these under SDPA, where full causal attention takes no mask;
+    eager attention takes snake's additive masks on every attention layer (and none on a
+    recurrent one) and must give the model's own logits too."""
+    model = make(kind, attn="eager").eval()
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(parts_logits(describe(model), idx), model(idx).logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "kind,attn", [(k, a) for k in OLD for a in ("sdpa", "eager") if a == "eager" or k not in OLD_EAGER_ONLY]
 )
