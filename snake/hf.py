@@ -101,7 +101,7 @@ _MAMBA = ("MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM")
 # it is set (their forward picks create_sliding_window_causal_mask then)
 _WINDOW_FROM_CONFIG = (
     "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM", "Qwen3MoeForCausalLM",
-    "PhimoeForCausalLM", "Ministral3ForCausalLM",
+    "PhimoeForCausalLM", "Ministral3ForCausalLM", "DogeForCausalLM",
 )
 # attention implementations that mask causally by themselves when given no mask
 _SELF_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")

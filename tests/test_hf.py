@@ -273,7 +273,8 @@ MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma", "mamba", "falconmamba", "mamba2",
               "flint", "graniteswa", "granitemoeswa")
 # models whose attention the options above window (sequences of 16 are longer)
-WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral"]
+WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral", "doge",
+            "phimoe", "ministral3"]
 
 
 def make(kind: str, attn: str = "sdpa", seed: int = 0, **kw) -> nn.Module:
@@ -354,8 +355,9 @@ def test_parts_match_model_forward(kind, attn):
     "kind,attn", [(k, a) for k in [*WINDOWED, "qwen2"] for a in ("sdpa", "eager") if a == "eager" or k not in EAGER_ONLY]
 )
 def test_sliding_window_shorter_than_sequence(kind, attn):
-    """Windows on every layer (Mistral, Phi-3, StarCoder 2, Mixtral, Qwen3-MoE: from
-    config.sliding_window) or on some (Gemma 2 and 3, Qwen2-MoE, Ministral: from
+    """Windows on every layer (Mistral, Phi-3, StarCoder 2, Mixtral, Qwen3-MoE, Phi-MoE,
+    Ministral 3, Doge: from config.sliding_window; Doge's was left out until an audit found
+    it) or on some (Gemma 2 and 3, Qwen2-MoE, Ministral: from
     layer_types). Phi-3's and StarCoder 2's windows were left out (full attention instead),
     which changed their logits wherever a sequence outran the window (Phi-3-mini's is
     2047 tokens)."""
