@@ -323,16 +323,36 @@ def reference(model: nn.Module, data, micro: int):
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
-async def train_snake(
-    model: nn.Module, data, tmp_path, steps: int = 3, schedule: str = "vertical"
-) -> dict[str, torch.Tensor]:
-    cfg = SnakeConfig(
+def snake_config(tmp_path, schedule: str = "vertical", dtype: str = "float32") -> SnakeConfig:
+    return SnakeConfig(
         micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
-        alpha=0.3, device="cpu", schedule=schedule,
+        alpha=0.3, device="cpu", schedule=schedule, dtype=dtype,
     )
+
+
+async def train_snake(
+    model: nn.Module, data, tmp_path, steps: int = 3, schedule: str = "vertical", dtype: str = "float32"
+) -> dict[str, torch.Tensor]:
+    cfg = snake_config(tmp_path, schedule, dtype)
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         await asyncio.wait_for(trainer.run(steps), timeout=120)
         return await trainer.state_dict()
+
+
+def bf16_copy(kind: str, **kw) -> nn.Module:
+    """The test model of `kind` built in bfloat16 as transformers builds it (what it keeps in
+    float32 stays so), with the float32 model's weights."""
+    fp32 = make(kind, **kw)
+    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16,
+                                    attn_implementation=fp32.config._attn_implementation)
+    model.load_state_dict(fp32.state_dict())
+    return model
+
+
+def assert_mixed_precision(got: dict, want: dict) -> None:
+    """snake's bf16 masters against plain PyTorch mixed precision's (`mixed_reference`)."""
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # -- (a) forward parity ----------------------------------------------------------------------
@@ -815,22 +835,14 @@ async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_pa
     3.7e-9, after three steps)."""
     from tests.helpers import mixed_reference
 
-    fp32 = make(kind)
-    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16)
-    model.load_state_dict(fp32.state_dict())
+    model = bf16_copy(kind)
     kept = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype == torch.float32}
     # the gate's weight and the routing bias (Ernie 4.5 MoE's a frozen parameter)
     assert kind == "qwen3next" or (any(n.endswith("gate.weight") for n in kept)
                                    and any("e_score_correction_bias" in n for n in kept))
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = mixed_reference(model, data, 2)
-    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
-                      alpha=0.3, device="cpu", dtype="bfloat16")
-    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
-        await asyncio.wait_for(trainer.run(3), timeout=120)
-        got = await trainer.state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert_mixed_precision(await train_snake(model, data, tmp_path, dtype="bfloat16"), want)
 
 
 # untied families of each kind of layer this round added (recurrent, latent attention,
@@ -849,19 +861,10 @@ async def test_bf16_families_follow_plain_mixed_precision(tmp_path, kind):
     as its recompute does: 2.5e-3 off before)."""
     from tests.helpers import mixed_reference
 
-    fp32 = make(kind)
-    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16,
-                                    attn_implementation=fp32.config._attn_implementation)
-    model.load_state_dict(fp32.state_dict())
+    model = bf16_copy(kind)
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = mixed_reference(model, data, 2)
-    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
-                      alpha=0.3, device="cpu", dtype="bfloat16")
-    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
-        await asyncio.wait_for(trainer.run(3), timeout=120)
-        got = await trainer.state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert_mixed_precision(await train_snake(model, data, tmp_path, dtype="bfloat16"), want)
 
 
 @pytest.mark.asyncio
@@ -875,25 +878,13 @@ async def test_bf16_mamba_follows_plain_mixed_precision_or_is_refused(tmp_path, 
     its head with a dtype mismatch, float32 hidden state against bf16 weights.)"""
     from tests.helpers import mixed_reference
 
-    def bf16(**kw):
-        fp32 = make(kind, **kw)
-        model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16, attn_implementation="eager")
-        model.load_state_dict(fp32.state_dict())
-        return model
-
     data = batches(3, 4, seq=16, vocab=VOCAB)
-    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
-                      alpha=0.3, device="cpu", dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"dtype='bfloat16'.*residual_in_fp32 = True.*dtype='float32'"):
-        SnakeTrainer(bf16(), data=data, config=cfg)
+        SnakeTrainer(bf16_copy(kind), data=data, config=snake_config(tmp_path, dtype="bfloat16"))
     assert not (tmp_path / "off").exists()
-    model = bf16(residual_in_fp32=False, tie_word_embeddings=False)
+    model = bf16_copy(kind, residual_in_fp32=False, tie_word_embeddings=False)
     want = mixed_reference(model, data, 2)
-    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
-        await asyncio.wait_for(trainer.run(3), timeout=120)
-        got = await trainer.state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert_mixed_precision(await train_snake(model, data, tmp_path, dtype="bfloat16"), want)
 
 
 @pytest.mark.asyncio
@@ -905,17 +896,13 @@ async def test_bf16_ernie_moe_keeps_its_fp32_routing_statistics_held_and_unchang
     off after 3 steps, 0.24 % at worst)."""
     from tests.helpers import assert_tracks_updates, mixed_reference
 
-    fp32 = make("ernie45moe")
-    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16)
-    model.load_state_dict(fp32.state_dict())
+    model = bf16_copy("ernie45moe")
     statics = "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias"
     assert model.get_parameter(statics).dtype == torch.float32 and not model.get_parameter(statics).requires_grad
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = mixed_reference(model, data, 2)
     init = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
-                      alpha=0.3, device="cpu", dtype="bfloat16")
-    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+    async with SnakeTrainer(model, data=data, config=snake_config(tmp_path, dtype="bfloat16")) as trainer:
         await asyncio.wait_for(trainer.run(3), timeout=120)
         got = await trainer.state_dict()
         held = trainer.engine.kernels.layer_frozen[1]
