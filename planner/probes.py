@@ -27,6 +27,7 @@ from snake.adapters import (
     frozen_named,
     hidden_size,
     layer_kinds,
+    materialize_block,
     trained,
     vocab_size,
 )
@@ -109,7 +110,7 @@ def block_seconds(
     for kind in range(len(firsts)):
         layers = [i for i, k in enumerate(kinds) if k == kind]
         timed.append((len(layers), _kind_seconds(
-            parts, layers, lambda i: copy.deepcopy(parts.blocks[i]), hidden, mb, seq, device, dtype,
+            parts, layers, lambda i: _copy_block(parts, i), hidden, mb, seq, device, dtype,
             seconds / len(firsts))))
     if kind_counts is not None:
         if len(kind_counts) != len(timed):
@@ -117,6 +118,14 @@ def block_seconds(
         timed = [(count, t) for count, (_, t) in zip(kind_counts, timed, strict=True)]
     n = sum(count for count, _ in timed)
     return tuple(sum(count * t[j] for count, t in timed) / n for j in range(3))
+
+
+def _copy_block(parts: ModelParts, layer: int) -> torch.nn.Module:
+    """A copy of layer `layer`'s block with its own weights (read where they are on the meta
+    device, `ModelParts.weights`)."""
+    block = copy.deepcopy(parts.blocks[layer])
+    materialize_block(parts, layer, block)
+    return block
 
 
 def _kind_seconds(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from snake.errors import ModelError
 PreFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 PostFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 BlockFn = Callable[..., torch.Tensor]  # (block, hidden) or (block, hidden, *, layer)
+LayerWeights = Callable[[int], Mapping[str, torch.Tensor]]  # layer -> its parameters by name
 
 
 def _call_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,8 @@ class ModelParts:
     forward again (as PyTorch's checkpointing does). Parameters outside the blocks are
     resident; tied weights must be there. hidden_fp32: what keeps the hidden state between
     layers in float32 (a config field, for messages), or None. forward_with_grad: run the
-    forward with autograd on (see the field)."""
+    forward with autograd on (see the field). weights: where the blocks' parameters on the
+    meta device are read from (see the field)."""
 
     model: nn.Module
     blocks: Sequence[nn.Module]
@@ -61,6 +63,13 @@ class ModelParts:
     # from the layer's own weights: CPU SDPA takes another kernel when it needs a gradient);
     # costs a graph per forward, freed at once
     forward_with_grad: bool = False
+    # weights(i) -> layer i's parameters by their names in the block (as
+    # `block.named_parameters()` names them), real tensors of the block's shapes. With it, the
+    # blocks' parameters may be on the meta device: snake reads a layer's through it when it
+    # copies them into its tiers (once, layer by layer; and for the planner's probes), so the
+    # process never holds the whole model's layer weights (`snake.hf.stream_hf`). The blocks'
+    # buffers, and everything outside the blocks, must be real.
+    weights: LayerWeights | None = None
 
 
 def describe(model: nn.Module | ModelParts) -> ModelParts:
@@ -93,6 +102,12 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
             raise ModelError(f"model: cannot find the transformer blocks of {type(model).__name__}; {fix}")
         parts = hf
     check_parts(parts)
+    if parts.weights is not None:
+        # what does not stream through the tiers (frozen parameters, those kept in float32)
+        # is held as the model's own: read it now
+        for i, b in enumerate(parts.blocks):
+            streamed = {n for n, _ in flat_named(b)}
+            materialize_block(parts, i, b, [n for n, _ in b.named_parameters() if n not in streamed])
     return parts
 
 
@@ -150,7 +165,7 @@ def check_parts(parts: ModelParts) -> None:
                 f"model: block {i} is not the submodule '{parts.blocks_prefix}.{i}'; "
                 "set blocks_prefix so that blocks are model.<prefix>.<i>"
             )
-    _check_devices(parts.model)
+    _check_devices(parts)
     _check_ties(parts)
     _check_block_buffers(blocks)
 
@@ -187,16 +202,24 @@ def layer_kinds(blocks: Sequence[nn.Module]) -> tuple[list[int], list[int]]:
     return kinds, firsts
 
 
-def _check_devices(model: nn.Module) -> None:
-    """Real weights on one device: snake copies them to its tiers and the compute device."""
+def _check_devices(parts: ModelParts) -> None:
+    """Real weights on one device: snake copies them to its tiers and the compute device.
+    The blocks' parameters may be on the meta device where `parts.weights` reads them."""
     devices: dict[torch.device, str] = {}
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+    lazy = parts.blocks_prefix + "." if parts.weights is not None else None
+    for kind, named in (("parameter", parts.model.named_parameters()), ("buffer", parts.model.named_buffers())):
         for name, t in named:
             if t.is_meta:
+                if kind == "parameter" and lazy is not None and name.startswith(lazy):
+                    continue
+                where = ("outside the blocks: only the blocks' parameters can be read through "
+                         "ModelParts.weights" if lazy is not None else "")
                 raise ModelError(
-                    f"model: {kind} {name!r} is on the meta device (a shape without data); "
+                    f"model: {kind} {name!r} is on the meta device (a shape without data){where and '; ' + where}; "
                     "materialize the weights first, e.g. model.to_empty(device='cpu') and then "
-                    "load_state_dict(...) or re-initialise them"
+                    "load_state_dict(...) or re-initialise them; a model from snake.hf.stream_hf(dir) "
+                    "is given as the ModelParts it returns (its .model alone does not say where its "
+                    "layers' weights are)"
                 )
             if kind == "parameter":
                 devices.setdefault(t.device, name)
@@ -353,10 +376,64 @@ def trained(block: nn.Module) -> list[nn.Parameter]:
     return [p for _, p in flat_named(block)]
 
 
+def layer_values(parts: ModelParts, layer: int, named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The values of layer `layer`'s parameters `named` (pairs from its block's
+    `named_parameters`): each as it is, or for one on the meta device read through
+    `parts.weights` (cast to the parameter's dtype; ModelError for a missing name or a
+    wrong shape)."""
+    if not any(p.is_meta for _, p in named):
+        return [p.detach() for _, p in named]
+    if parts.weights is None:
+        raise ModelError(f"model: block {layer}'s parameters are on the meta device and ModelParts.weights is not set")
+    read = parts.weights(layer)
+    out = []
+    for name, p in named:
+        if not p.is_meta:
+            out.append(p.detach())
+            continue
+        if name not in read:
+            raise ModelError(
+                f"model: ModelParts.weights({layer}) has no {name!r} (block {layer}'s parameter on the "
+                "meta device); it must give every such parameter by its name in the block"
+            )
+        t = read[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelError(
+                f"model: ModelParts.weights({layer})[{name!r}] has shape {tuple(t.shape)}, the block's "
+                f"parameter {tuple(p.shape)}"
+            )
+        out.append(t.detach().to(dtype=p.dtype))
+    return out
+
+
+def materialize_block(parts: ModelParts, layer: int, block: nn.Module, names: Sequence[str] | None = None) -> None:
+    """Put real values (`layer_values`) into `block`'s parameters `names` (default: all)
+    that are on the meta device; `block` is layer `layer` or a copy of it."""
+    named = [(n, p) for n, p in block.named_parameters(remove_duplicate=False)
+             if p.is_meta and (names is None or n in names)]
+    if not named:
+        return
+    values = layer_values(parts, layer, named)
+    mods = dict(block.named_modules())
+    done: dict[int, nn.Parameter] = {}
+    for (name, p), v in zip(named, values, strict=True):
+        mod_name, _, attr = name.rpartition(".")
+        new = done.get(id(p))
+        if new is None:
+            new = done[id(p)] = nn.Parameter(v, requires_grad=p.requires_grad)
+        mods[mod_name]._parameters[attr] = new
+
+
+def real_param(model: nn.Module) -> torch.Tensor:
+    """The model's first parameter that is not on the meta device (its device and dtype
+    are the model's)."""
+    return next(p for p in model.parameters() if not p.is_meta)
+
+
 def hidden_size(parts: ModelParts) -> int:
     """The width of a described model's block inputs: its embedding's output on one token."""
     model = parts.model
-    p = next(model.parameters())
+    p = real_param(model)
     with _probing(model):
         return int(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).shape[-1])
 
@@ -370,7 +447,7 @@ def input_rows(parts: ModelParts) -> int | None:
     past a table is a device-side assert that breaks the CUDA context rather than an
     error."""
     model = parts.model
-    p = next(model.parameters())
+    p = real_param(model)
     if p.device.type != "cpu":
         return None
     prefix = parts.blocks_prefix + "."
@@ -409,7 +486,7 @@ def vocab_size(parts: ModelParts) -> int:
     """Logits per token of a described model: its head's output on one hidden state (what
     its targets index)."""
     model = parts.model
-    p = next(model.parameters())
+    p = real_param(model)
     h = torch.zeros(1, 1, hidden_size(parts), dtype=p.dtype, device=p.device)
     with _probing(model):
         return int(parts.post(model, h).shape[-1])

@@ -54,7 +54,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as st_save_file
 
-from snake.adapters import ModelParts, layer_kinds, layer_specs, resident_named_params, trained
+from snake.adapters import (
+    ModelParts,
+    flat_named,
+    layer_kinds,
+    layer_specs,
+    layer_values,
+    resident_named_params,
+)
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
@@ -627,9 +634,9 @@ def _engine_layers(e: Engine, parts: ModelParts, bufs: list[HostBuffer]) -> Call
 
 def _model_layer(parts: ModelParts) -> Callable[[int], torch.Tensor]:
     def read(layer: int) -> torch.Tensor:
-        params = trained(parts.blocks[layer])
+        params = layer_values(parts, layer, flat_named(parts.blocks[layer]))
         out = torch.zeros(3, sum(p.numel() for p in params), dtype=torch.float32)
-        torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
+        torch.cat([p.reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
         return out
 
     return read

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from snake.adapters import ModelParts, trained
+from snake.adapters import ModelParts, flat_named, layer_values
 from snake.blocking import name_native_thread
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
@@ -347,7 +347,9 @@ class Engine:
         parts = self.kernels.parts
         scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
         for layer, block in enumerate(parts.blocks):
-            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in trained(block)])
+            values = layer_values(parts, layer, flat_named(block))  # read now where on the meta device
+            flat = torch.cat([p.reshape(-1).to(torch.float32) for p in values])
+            del values
             off = 0
             for part, n in enumerate(self.layer_parts[layer]):
                 if not n:

@@ -17,27 +17,33 @@ from the model's `rotary_emb` (per attention type for Gemma 3). No KV cache is u
 Dropout is safe: snake forks the RNG per (iteration, layer, micro-batch), so the backward's
 recompute of a layer draws the same masks as its forward.
 
-`load_hf` builds a model from a config or a local directory; `export_hf` writes trained
-weights as a directory `from_pretrained` loads (safetensors).
+`load_hf` builds a model from a config or a local directory; `stream_hf` describes the model
+in a local directory with its layers' weights left in their safetensors files until snake
+copies them into its tiers; `export_hf` writes trained weights as a directory
+`from_pretrained` loads (safetensors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import inspect
+import json
 import math
 import os
+import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from snake.adapters import ModelParts
+from snake.adapters import LayerWeights, ModelParts, layer_kinds
 from snake.errors import DataError, ModelError
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
@@ -796,6 +802,246 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
     )
 
 
+def stream_hf(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | str = "auto", attn_implementation: str | None = None
+) -> ModelParts:
+    """The causal LM in a local directory (config.json and *.safetensors) as a ModelParts
+    whose layers' parameters stay in their files (on the meta device) until snake copies
+    them into its tiers, one layer at a time: the process never holds the model's layer
+    weights beside snake's own copy of them, so a model whose weights do not fit in CPU
+    memory trains with its parameters and optimizer states placed on SSD. The embedding,
+    head, final norm, buffers, and what snake does not stream (frozen parameters, those kept
+    in float32) are read at once. Give the result to `SnakeTrainer` as the model; freeze
+    parameters (`requires_grad_(False)`) on `parts.model` before that.
+
+    dtype: the parameters' dtype ("auto": the config's, as `from_pretrained` takes it).
+    attn_implementation: as `load_hf` (default "sdpa", or "eager" for a model without SDPA).
+    Weights stored under other names or shapes than the model's (the experts of a mixture of
+    experts stored one by one, which transformers 5 fuses) go through transformers' own
+    conversion, one layer at a time."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(path)
+    where = _safetensors_keys(directory)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    cls = causal_lm_class(config)
+    chosen: Any = dtype
+    if chosen == "auto":
+        chosen = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(chosen, str):
+        chosen = getattr(torch, chosen, None)
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise ModelError(f"stream_hf: dtype {dtype!r} is not a floating-point torch dtype; pass e.g. torch.bfloat16 or \"auto\"")
+    impls = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
+    for impl in impls:
+        try:
+            with _parameters_on_meta():
+                if cls is AutoModelForCausalLM:
+                    model = cls.from_config(config, attn_implementation=impl, dtype=chosen)
+                else:
+                    model = cls._from_config(config, attn_implementation=impl, dtype=chosen)
+            break
+        except ValueError as e:
+            if impl == impls[-1] or "scaled_dot_product_attention" not in str(e):
+                raise
+    model.eval()  # as from_pretrained returns it
+    parts = describe_hf(model)
+    if parts is None:
+        raise ModelError(f"stream_hf: snake does not know how the layers of {type(model).__name__} compose; it recognises {supported()}")
+    prefix = parts.blocks_prefix + "."
+    state = model.state_dict(keep_vars=True)
+    lazy = {k for k, t in state.items() if k.startswith(prefix) and isinstance(t, nn.Parameter)}
+    weights: LayerWeights
+    converted = _ConvertedLayers.of(model, parts, where, chosen)
+    if converted is None:
+        # stored under the model's own names: read by name, the layers when snake asks
+        eager = {k: _read(where[k], k, t.dtype if t.is_floating_point() else None)
+                 for k, t in state.items() if k not in lazy and k in where}
+        model.load_state_dict(eager, strict=False, assign=True)
+        weights = _LayerFiles(where, prefix, {k: state[k].dtype for k in lazy})
+        for i in range(len(parts.blocks)):
+            _check_layer(parts, i, weights(i))
+    else:
+        # stored otherwise (experts one by one, older names): transformers' own conversion,
+        # a layer at a time
+        weights = converted
+        kinds, firsts = layer_kinds(parts.blocks)
+        for first in firsts:  # the names map: checked on a layer of each kind
+            _check_layer(parts, first, converted(first))
+        stored = [{k[len(f"{prefix}{i}."):] for k in where if k.startswith(f"{prefix}{i}.")} for i in range(len(kinds))]
+        for i, kind in enumerate(kinds):  # and every layer stores what the first of its kind does
+            if stored[i] != stored[firsts[kind]]:
+                name = min(stored[firsts[kind]] - stored[i] or stored[i] - stored[firsts[kind]])
+                raise ModelError(
+                    f"stream_hf: the checkpoint's layer {i} stores other tensors than layer {firsts[kind]} "
+                    f"(its kind's first): {prefix}{i}.{name} is in one of them only; load it with "
+                    "snake.hf.load_hf(dir) to see what it holds"
+                )
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and not n.startswith(prefix)]
+    if missing:
+        raise ModelError(
+            f"stream_hf: {str(directory)!r} has no {missing[0]!r} ({len(missing)} tensors outside the layers "
+            "missing); load it with snake.hf.load_hf(dir), which initialises what a checkpoint leaves out"
+        )
+    return dataclasses.replace(parts, weights=weights)
+
+
+def _check_layer(parts: ModelParts, layer: int, read: Mapping[str, torch.Tensor]) -> None:
+    """ModelError unless `read` (parts.weights(layer)) names every parameter of the layer
+    that is on the meta device."""
+    for name, p in parts.blocks[layer].named_parameters():
+        if p.is_meta and name not in read:
+            raise ModelError(
+                f"stream_hf: the checkpoint has no {parts.blocks_prefix}.{layer}.{name} (nor anything "
+                "transformers converts into it); load it with snake.hf.load_hf(dir) to see what it holds"
+            )
+
+
+class _LayerFiles:
+    """`ModelParts.weights` for `stream_hf` where the files use the model's names: layer i's
+    parameters read from the safetensors file that holds each (memory-mapped by
+    safetensors, copied out one tensor at a time), cast to the model's dtype."""
+
+    def __init__(self, where: Mapping[str, Path], prefix: str, dtypes: Mapping[str, torch.dtype]) -> None:
+        self.where, self.prefix, self.dtypes = where, prefix, dtypes
+
+    def __call__(self, layer: int) -> Mapping[str, torch.Tensor]:
+        return _LayerReader(self, f"{self.prefix}{layer}.")
+
+
+class _LayerReader(Mapping[str, torch.Tensor]):
+    def __init__(self, files: _LayerFiles, head: str) -> None:
+        self.files, self.head = files, head
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key = self.head + name
+        if key not in self.files.dtypes:
+            raise KeyError(name)
+        return _read(self.files.where[key], key, self.files.dtypes[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return (k[len(self.head):] for k in self.files.dtypes if k.startswith(self.head))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _ConvertedLayers:
+    """`ModelParts.weights` for `stream_hf` where the files store weights under other names
+    or in other shapes than the model (a mixture of experts stored expert by expert, which
+    transformers 5 fuses): transformers' own conversion (`convert_and_load_state_dict_in_model`,
+    as `from_pretrained` runs it) loads one layer's stored tensors into the model, snake
+    takes the layer's parameters and puts the model's meta ones back."""
+
+    def __init__(self, model: nn.Module, parts: ModelParts, where: Mapping[str, Path], load: Callable[[Any], Any]) -> None:
+        self.model, self.parts, self.where, self.load = model, parts, where, load
+        self.prefix = parts.blocks_prefix + "."
+        self.lock = threading.Lock()  # one conversion at a time: it sets the model's parameters
+
+    @classmethod
+    def of(cls, model: Any, parts: ModelParts, where: Mapping[str, Path], dtype: torch.dtype) -> _ConvertedLayers | None:
+        """Load everything outside the layers now (and the layers' buffers); None where the
+        model has no conversion (or this transformers none to run: before 5, which stored
+        weights under the models' names)."""
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import convert_and_load_state_dict_in_model
+            from transformers.modeling_utils import LoadStateDictConfig
+        except ImportError:
+            return None
+        mapping: Any = get_model_conversion_mapping(model, None, None)
+        if not mapping:
+            return None
+        plan = getattr(model, "_get_dtype_plan", None)
+        config = LoadStateDictConfig(dtype=dtype, dtype_plan=plan(dtype) if callable(plan) else {}, weight_mapping=mapping)
+
+        def load(keys: Any) -> None:
+            from safetensors import safe_open
+
+            files = {f: safe_open(str(f), framework="pt") for f in {where[k] for k in keys}}
+            try:
+                convert_and_load_state_dict_in_model(
+                    model=model, state_dict={k: files[where[k]].get_slice(k) for k in keys}, load_config=config,
+                )
+            finally:
+                for f in files.values():
+                    f.__exit__(None, None, None)
+
+        self = cls(model, parts, where, load)
+        layer_key = re.compile(re.escape(self.prefix) + r"\d+\.")
+        load([k for k in where if not layer_key.match(k)])
+        for i, block in enumerate(parts.blocks):
+            if any(True for _ in block.buffers()) and any(k.startswith(f"{self.prefix}{i}.") for k in where):
+                self._layer(i)  # the layer's stored buffers stay, its parameters go back to meta
+        return self
+
+    def __call__(self, layer: int) -> Mapping[str, torch.Tensor]:
+        return self._layer(layer)
+
+    def _layer(self, layer: int) -> dict[str, torch.Tensor]:
+        block = self.parts.blocks[layer]
+        with self.lock:
+            sites = [(mod, attr, p) for mod in block.modules() for attr, p in mod._parameters.items() if p is not None]
+            head = f"{self.prefix}{layer}."
+            try:
+                self.load([k for k in self.where if k.startswith(head)])
+                return {n: p.detach() for n, p in block.named_parameters() if not p.is_meta}
+            finally:
+                for mod, attr, p in sites:
+                    mod._parameters[attr] = p
+
+
+def _read(file: Path, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        t = f.get_tensor(key)
+    return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+
+
+def _safetensors_keys(directory: Path) -> dict[str, Path]:
+    """Every tensor name in a local model directory's safetensors weights -> its file
+    (`model.safetensors`, or the shards `model.safetensors.index.json` maps)."""
+    from safetensors import safe_open
+
+    if not (directory / "config.json").is_file():
+        raise ModelError(f"stream_hf: {str(directory)!r} has no config.json; pass a local model directory")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: directory / f for k, f in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"stream_hf: {str(directory)!r} has no *.safetensors weights")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """While a model is built: each parameter goes to the meta device as it is registered
+    (after its module made it, before the module initialises it), buffers stay as built
+    (the rotary tables computed in the modules' __init__). Patches
+    `nn.Module.register_parameter`, as accelerate's `init_empty_weights` does."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def _freeze_as_built(model: nn.Module, cls: Any, config: Any) -> None:
     """`from_pretrained` returns every parameter trainable, also those the model's class
     builds frozen (requires_grad=False: Ernie 4.5 MoE's and AFMoE's routing statistics),
@@ -817,7 +1063,19 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir:
     save: Callable[..., Any] | None = getattr(model, "save_pretrained", None)
     if save is None:
         raise ModelError(f"export_hf: {type(model).__name__} is not a transformers model (no save_pretrained)")
-    model.load_state_dict(dict(state_dict), strict=True)
+    if any(p.is_meta for p in model.parameters()):
+        # a model from stream_hf: its layers take the trained tensors (cast to its dtypes;
+        # it holds them from now on), and a tied head is tied again
+        own = model.state_dict()
+        model.load_state_dict(
+            {k: v.to(own[k].dtype) if k in own and v.is_floating_point() else v for k, v in state_dict.items()},
+            strict=True, assign=True,
+        )
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()
+    else:
+        model.load_state_dict(dict(state_dict), strict=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save(str(out))  # safetensors is the default (the only format in transformers >= 5)

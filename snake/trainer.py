@@ -15,7 +15,16 @@ from torch import nn
 
 from snake.actors.compute import StepReport
 from snake.actors.optimizer import flush_delayed
-from snake.adapters import ModelParts, describe, input_rows, layer_specs, vocab_size
+from snake.adapters import (
+    ModelParts,
+    describe,
+    flat_named,
+    input_rows,
+    layer_specs,
+    layer_values,
+    real_param,
+    vocab_size,
+)
 from snake.blocking import run_blocking, settle
 from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
@@ -156,6 +165,11 @@ class SnakeTrainer:
 
     def _initial_state_dict(self) -> dict[str, torch.Tensor]:
         sd = self.parts.model.state_dict()
+        prefix = self.parts.blocks_prefix + "."
+        for i, block in enumerate(self.parts.blocks):  # layers on the meta device: read
+            named = [(n, p) for n, p in flat_named(block) if p.is_meta]
+            for (n, _), v in zip(named, layer_values(self.parts, i, named), strict=True):
+                sd[f"{prefix}{i}.{n}"] = v
         return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in sd.items()}
 
     def _assemble_state_dict(self, e: Engine) -> dict[str, torch.Tensor]:
@@ -344,7 +358,7 @@ class SnakeTrainer:
         )
         model = self.parts.model
         with torch.no_grad():
-            mdev = next(model.parameters()).device
+            mdev = real_param(model).device
             return self.parts.pre(model, ins[0].to(mdev)).shape
 
     def _check_memory(self, cfg: SnakeConfig, first: Any) -> None:

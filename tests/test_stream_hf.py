@@ -1,0 +1,190 @@
+"""`snake.hf.stream_hf`: a Hugging Face model whose layers' weights stay in their safetensors
+files until snake copies them into its tiers. Trains to the same weights as the model
+loaded whole (and so as plain PyTorch), without the model ever holding its layers' weights."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from snake import ModelError, SnakeTrainer
+from snake.hf import export_hf, load_hf, stream_hf
+from tests.helpers import batches
+from tests.test_hf import VOCAB, assert_matches, make, reference, snake_config
+
+
+def saved(kind: str, tmp_path, shard: str | None = None, **kw):
+    """The test model of `kind`, saved (in shards of `shard` where given) to tmp_path/kind."""
+    model = make(kind, **kw)
+    out = tmp_path / kind
+    model.save_pretrained(str(out), **({"max_shard_size": shard} if shard else {}))
+    return model, out
+
+
+def layer_params(parts):
+    prefix = parts.blocks_prefix + "."
+    return {n: p for n, p in parts.model.named_parameters() if n.startswith(prefix)}
+
+
+async def train(model, data, tmp_path, steps=3):
+    async with SnakeTrainer(model, data=data, config=snake_config(tmp_path)) as trainer:
+        await asyncio.wait_for(trainer.run(steps), timeout=120)
+        return await trainer.state_dict()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind,kw,shard", [
+    ("llama", {}, "20KB"), ("llama", {"tie_word_embeddings": True}, None), ("gpt2", {}, None), ("qwen3", {}, "30KB"),
+    ("mixtral", {}, "30KB"), ("deepseekv3", {}, None), ("neox", {}, None),
+], ids=["llama-sharded", "llama-tied", "gpt2", "qwen3-sharded", "mixtral-sharded", "deepseekv3", "neox"])
+async def test_streamed_layers_train_as_plain_pytorch_and_stay_on_disk(tmp_path, kind, kw, shard):
+    model, path = saved(kind, tmp_path, shard, **kw)
+    parts = stream_hf(path)
+    lazy = layer_params(parts)
+    assert lazy and all(p.is_meta for p in lazy.values())
+    outside = [p for n, p in parts.model.named_parameters() if n not in lazy]
+    assert outside and not any(p.is_meta for p in outside)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(load_hf(path), data, 2)
+    got = await train(parts, data, tmp_path)
+    assert_matches(got, want)
+    # the trained weights came from the files, and the model never held them
+    assert all(p.is_meta for p in lazy.values())
+    assert got.keys() == model.state_dict().keys()
+
+
+@pytest.mark.asyncio
+async def test_state_dict_before_a_run_reads_the_layers_from_their_files(tmp_path):
+    model, path = saved("llama", tmp_path, "20KB")
+    async with SnakeTrainer(stream_hf(path), data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path)) as trainer:
+        got = await trainer.state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(got[k], v.float(), rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.asyncio
+async def test_bf16_checkpoint_streams_in_its_own_dtype(tmp_path):
+    model = make("llama").to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "m"))
+    parts = stream_hf(tmp_path / "m")
+    assert {p.dtype for p in parts.model.parameters()} == {torch.bfloat16}
+    assert stream_hf(tmp_path / "m", dtype=torch.float32).model.model.embed_tokens.weight.dtype == torch.float32
+    data = batches(2, 4, seq=16, vocab=VOCAB)
+    cfg = snake_config(tmp_path / "a", dtype="bfloat16")
+    async with SnakeTrainer(parts, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(2), timeout=120)
+        got = await t.state_dict()
+    async with SnakeTrainer(load_hf(tmp_path / "m"), data=data, config=snake_config(tmp_path / "b", dtype="bfloat16")) as t:
+        await asyncio.wait_for(t.run(2), timeout=120)
+        want = await t.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.asyncio
+async def test_frozen_layer_weights_are_read_once_and_held_as_the_models(tmp_path):
+    """Parameters frozen after loading stream from snake's CPU copy; they are read from the
+    files when the trainer is made, and train as the whole model does."""
+    _, path = saved("llama", tmp_path)
+    parts = stream_hf(path)
+    whole = load_hf(path)
+    for m in (parts.model, whole):
+        for name, p in m.named_parameters():
+            if "mlp" in name or "embed" in name:
+                p.requires_grad_(False)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(whole, data, 2)
+    got = await train(parts, data, tmp_path)
+    assert_matches(got, want)
+    frozen = [p for n, p in layer_params(parts).items() if "mlp" in n]
+    assert frozen and not any(p.is_meta for p in frozen)
+
+
+@pytest.mark.asyncio
+async def test_planned_run_probes_the_streamed_layers(tmp_path):
+    """With micro_batches, placement and alpha left to the planner, its probes time copies
+    of the layers with their weights read from the files."""
+    _, path = saved("llama", tmp_path)
+    config = dataclasses.replace(snake_config(tmp_path), placement=None, alpha=None)
+    async with SnakeTrainer(stream_hf(path), data=batches(2, 4, vocab=VOCAB), config=config) as trainer:
+        report = await asyncio.wait_for(trainer.run(2), timeout=300)
+    assert all(torch.isfinite(torch.tensor(s.loss)) for s in report.steps)
+
+
+@pytest.mark.asyncio
+async def test_a_layer_weight_missing_from_the_checkpoint_is_refused_naming_it(tmp_path):
+    _, path = saved("llama", tmp_path)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    key = "model.layers.1.mlp.up_proj.weight"
+    tensors["model.layers.1.mlp.up_proj.w"] = tensors.pop(key)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*load_hf"):
+        stream_hf(path)
+    # a model whose weights transformers converts: a layer of each kind is converted at once,
+    # and every layer must store what the first of its kind stores
+    model, path = saved("mixtral", tmp_path)
+    file = path / "model.safetensors"
+    whole = load_file(str(file))
+    for layer in (0, 1):
+        key = f"model.layers.{layer}.self_attn.q_proj.weight"
+        save_file({k: v for k, v in whole.items() if k != key}, str(file), metadata={"format": "pt"})
+        with pytest.raises(ModelError, match=rf"model\.layers\.{layer}\.self_attn\.q_proj\.weight.*load_hf"):
+            stream_hf(path)
+
+
+def test_missing_weights_outside_the_layers_and_bad_directories_are_refused(tmp_path):
+    _, path = saved("llama", tmp_path)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model\.norm\.weight"):
+        stream_hf(path)
+    with pytest.raises(ModelError, match="config.json"):
+        stream_hf(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text())))
+    with pytest.raises(ModelError, match="safetensors"):
+        stream_hf(tmp_path / "empty")
+
+
+def test_a_meta_layer_without_weights_is_refused(tmp_path):
+    _, path = saved("llama", tmp_path)
+    parts = stream_hf(path)
+    data, config = batches(1, 4, vocab=VOCAB), snake_config(tmp_path)
+    for given in (dataclasses.replace(parts, weights=None), parts.model):
+        with pytest.raises(ModelError, match="meta device.*the ModelParts it returns"):
+            SnakeTrainer(given, data=data, config=config)
+    assert not (tmp_path / "off").exists()
+
+
+@pytest.mark.asyncio
+async def test_save_load_and_export_from_streamed_models(tmp_path):
+    """A streamed run saved after one step and resumed by a new streamed trainer gives the
+    weights of a whole model's two steps; export writes them where load_hf reads them."""
+    model, path = saved("llama", tmp_path, "20KB", tie_word_embeddings=True)
+    data = batches(2, 4, seq=16, vocab=VOCAB)
+    async with SnakeTrainer(load_hf(path), data=data, config=snake_config(tmp_path / "whole")) as t:
+        await asyncio.wait_for(t.run(2), timeout=120)
+        want = await t.state_dict()
+    async with SnakeTrainer(stream_hf(path), data=data, config=snake_config(tmp_path / "a")) as t:
+        await asyncio.wait_for(t.run(1), timeout=120)
+        await t.save(tmp_path / "ckpt")
+    parts = stream_hf(path)
+    async with SnakeTrainer(parts, data=data, config=snake_config(tmp_path / "b")) as t:
+        await t.load(tmp_path / "ckpt")
+        await asyncio.wait_for(t.run(1), timeout=120)
+        got = await t.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    export_hf(got, parts.model, tmp_path / "export")
+    again = load_hf(tmp_path / "export", dtype=torch.float32)
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    for k, v in again.state_dict().items():
+        torch.testing.assert_close(v, got[k], rtol=0, atol=0, msg=k)
