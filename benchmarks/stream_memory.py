@@ -1,0 +1,140 @@
+"""CPU memory of a Hugging Face model loaded whole (`load_hf`) against one whose layers stay
+in their files (`stream_hf`), trained by snake with its parameters and optimizer states on SSD.
+
+    python benchmarks/stream_memory.py [--layers 12] [--width 1024] [--steps 2]   # ~3 min
+
+Saves a Llama-shaped model (bfloat16, sharded safetensors) in a temporary directory, then in
+a fresh process per way, load dtype and round: loads it (in its own dtype, bfloat16, and in
+float32), makes a trainer (float32 compute and masters; parameters, checkpoints and
+optimizer states all on SSD, alpha 0, one micro-batch of 1 x 32 tokens) and runs `--steps`
+steps. Reports the process's anonymous memory (RssAnon: what the kernel cannot drop) after
+the load and its peak over the run (sampled every 20 ms), the file-backed pages it maps
+(RssFile: clean pages of the safetensors files, which the kernel can drop under pressure)
+at their peak, each above what the process had after importing torch and transformers, and
+the seconds of the load and of each step. The ways alternate, `--rounds` times. Writes
+benchmarks/results/stream_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import ROOT, machine, save  # type: ignore[import-not-found]
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def child(way: str, path: str, steps: int, offload: str, dtype: str) -> None:
+    """One run in this process; prints one JSON line."""
+    import torch
+    import transformers  # noqa: F401  (counted in the baseline)
+
+    from snake import Placement, SnakeConfig, SnakeTrainer
+    from snake.hf import load_hf, stream_hf
+
+    base_anon, base_file = _status_kib("RssAnon"), _status_kib("RssFile")
+    peaks = {"anon": base_anon, "file": base_file}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peaks["anon"] = max(peaks["anon"], _status_kib("RssAnon"))
+            peaks["file"] = max(peaks["file"], _status_kib("RssFile"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    load_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
+    model = load_hf(path, dtype=load_dtype) if way == "load_hf" else stream_hf(path, dtype=load_dtype)
+    loaded = time.perf_counter() - t0
+    after_load = _status_kib("RssAnon")
+    vocab = 32000
+    g = torch.Generator().manual_seed(0)
+    data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+            for x in (torch.randint(0, vocab, (1, 33), generator=g) for _ in range(steps))]
+    cfg = SnakeConfig(micro_batches=1, offload_dir=offload, placement=Placement.all_ssd(),
+                      alpha=0.0, device="cpu", dtype="float32")
+
+    async def go() -> tuple[list[float], list[float]]:
+        async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+            report = await trainer.run(steps)
+            return [s.loss for s in report.steps], [s.seconds for s in report.steps]
+
+    t1 = time.perf_counter()
+    losses, step_s = asyncio.run(go())
+    run_s = time.perf_counter() - t1
+    done.set()
+    sampler.join()
+    print(json.dumps({
+        "way": way, "dtype": dtype, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
+        "anon_after_load_mib": (after_load - base_anon) / 1024, "anon_peak_mib": (peaks["anon"] - base_anon) / 1024,
+        "file_peak_mib": (peaks["file"] - base_file) / 1024, "baseline_anon_mib": base_anon / 1024,
+    }))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--name", default="stream_memory", help="results/<name>.json")
+    ap.add_argument("--child", nargs=5, metavar=("WAY", "PATH", "STEPS", "OFFLOAD", "DTYPE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        way, path, steps, offload, dtype = args.child
+        child(way, path, int(steps), offload, dtype)
+        return
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks" / "results") as tmp:
+        cfg = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=args.width, intermediate_size=args.width * 11 // 4,
+            num_hidden_layers=args.layers, num_attention_heads=args.width // 64, num_key_value_heads=args.width // 64,
+        )
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_layers = sum(p.numel() for p in model.model.layers.parameters())
+        path = Path(tmp) / "model"
+        model.save_pretrained(str(path), max_shard_size="500MB")
+        del model
+        print(f"model: {n_params / 1e6:.0f} M parameters ({n_layers / 1e6:.0f} M in {args.layers} layers), "
+              f"bfloat16 on disk {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 2**20:.0f} MiB", flush=True)
+        runs = []
+        ways = [(w, d) for d in ("auto", "float32") for w in ("load_hf", "stream_hf")]
+        for r in range(args.rounds):
+            for way, dtype in ways if r % 2 == 0 else ways[::-1]:
+                off = Path(tmp) / f"off-{way}-{dtype}-{r}"
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", way, str(path), str(args.steps), str(off), dtype],
+                    cwd=ROOT, capture_output=True, text=True, timeout=900,
+                )
+                if out.returncode:
+                    raise SystemExit(f"{way}: {out.stderr[-3000:]}")
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.append(row)
+                print(f"round {r} {way:9s} {dtype:7s} load {row['load_s']:4.1f} s  anon after load "
+                      f"+{row['anon_after_load_mib']:5.0f} MiB, peak +{row['anon_peak_mib']:5.0f} MiB  file pages peak "
+                      f"+{row['file_peak_mib']:4.0f} MiB  steps {[round(s, 1) for s in row['step_s']]} s  "
+                      f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
+    result = {"machine": machine(), "params": n_params, "layer_params": n_layers, "args": vars(args), "runs": runs}
+    print(f"saved {save(args.name, result)}")
+
+
+if __name__ == "__main__":
+    main()
