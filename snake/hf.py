@@ -1027,19 +1027,25 @@ def _parameters_on_meta() -> Iterator[None]:
     """While a model is built: each parameter goes to the meta device as it is registered
     (after its module made it, before the module initialises it), buffers stay as built
     (the rotary tables computed in the modules' __init__). Patches
-    `nn.Module.register_parameter`, as accelerate's `init_empty_weights` does."""
-    register = nn.Module.register_parameter
+    `nn.Module.register_parameter`, as accelerate's `init_empty_weights` does, for this
+    thread alone: modules other threads build meanwhile keep their parameters."""
+    with _META_BUILD:  # one build at a time: each puts back what it found
+        register = nn.Module.register_parameter
+        builder = threading.get_ident()
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(module, name, param)
+            if param is not None and not param.is_meta and threading.get_ident() == builder:
+                module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+_META_BUILD = threading.Lock()
 
 
 def _freeze_as_built(model: nn.Module, cls: Any, config: Any) -> None:

@@ -188,3 +188,21 @@ async def test_save_load_and_export_from_streamed_models(tmp_path):
     assert again.lm_head.weight is again.model.embed_tokens.weight
     for k, v in again.state_dict().items():
         torch.testing.assert_close(v, got[k], rtol=0, atol=0, msg=k)
+
+
+def test_parameters_go_to_meta_only_in_the_building_thread_and_only_while_it_builds():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch import nn
+
+    from snake.hf import _parameters_on_meta
+
+    with ThreadPoolExecutor(1) as other:
+        with _parameters_on_meta():
+            here = nn.Linear(4, 4)
+            there = other.submit(nn.Linear, 4, 4).result()
+        assert here.weight.is_meta and here.bias.is_meta
+        assert not there.weight.is_meta
+    with pytest.raises(RuntimeError, match="boom"), _parameters_on_meta():
+        raise RuntimeError("boom")
+    assert not nn.Linear(4, 4).weight.is_meta
