@@ -67,8 +67,8 @@ class ModelParts:
     # `block.named_parameters()` names them), real tensors of the block's shapes. With it, the
     # blocks' parameters may be on the meta device: snake reads a layer's through it when it
     # copies them into its tiers (once, layer by layer; and for the planner's probes), so the
-    # process never holds the whole model's layer weights (`snake.hf.stream_hf`). The blocks'
-    # buffers, and everything outside the blocks, must be real.
+    # process never holds the whole model's layer weights (a model from `snake.hf.stream_hf`
+    # is described with one). The blocks' buffers, and everything outside them, must be real.
     weights: LayerWeights | None = None
 
 
@@ -217,9 +217,8 @@ def _check_devices(parts: ModelParts) -> None:
                 raise ModelError(
                     f"model: {kind} {name!r} is on the meta device (a shape without data){where and '; ' + where}; "
                     "materialize the weights first, e.g. model.to_empty(device='cpu') and then "
-                    "load_state_dict(...) or re-initialise them; a model from snake.hf.stream_hf(dir) "
-                    "is given as the ModelParts it returns (its .model alone does not say where its "
-                    "layers' weights are)"
+                    "load_state_dict(...) or re-initialise them, or load a Hugging Face model with "
+                    "snake.hf.stream_hf(dir), which reads each layer's weights when snake needs them"
                 )
             if kind == "parameter":
                 devices.setdefault(t.device, name)

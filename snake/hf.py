@@ -17,10 +17,10 @@ from the model's `rotary_emb` (per attention type for Gemma 3). No KV cache is u
 Dropout is safe: snake forks the RNG per (iteration, layer, micro-batch), so the backward's
 recompute of a layer draws the same masks as its forward.
 
-`load_hf` builds a model from a config or a local directory; `stream_hf` describes the model
-in a local directory with its layers' weights left in their safetensors files until snake
-copies them into its tiers; `export_hf` writes trained weights as a directory
-`from_pretrained` loads (safetensors).
+`load_hf` builds a model from a config or a local directory; `stream_hf` loads the model in a
+local directory with its layers' weights left in their safetensors files until snake copies
+them into its tiers; `export_hf` writes trained weights as a directory `from_pretrained`
+loads (safetensors).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from snake.adapters import LayerWeights, ModelParts, layer_kinds
+from snake.adapters import ModelParts, layer_kinds
 from snake.errors import DataError, ModelError
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
@@ -141,7 +141,16 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
     """ModelParts for a supported Hugging Face causal LM, None for any other module.
 
     Raises ModelError for a supported class whose configuration snake cannot stream
-    (layers that differ by their index, an unsupported attention implementation)."""
+    (layers that differ by their index, an unsupported attention implementation). A model
+    from `stream_hf` gets its layers' weights from their files (`ModelParts.weights`)."""
+    parts = _describe_hf(model)
+    weights = getattr(model, "snake_layer_weights", None)
+    if parts is None or weights is None:
+        return parts
+    return dataclasses.replace(parts, weights=weights)
+
+
+def _describe_hf(model: nn.Module) -> ModelParts | None:
     if "transformers" not in sys.modules:  # an HF model would have imported it
         return None
     import transformers
@@ -804,34 +813,35 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
 
 def stream_hf(
     path: str | os.PathLike[str], *, dtype: torch.dtype | str = "auto", attn_implementation: str | None = None
-) -> ModelParts:
-    """The causal LM in a local directory (config.json and *.safetensors) as a ModelParts
-    whose layers' parameters stay in their files (on the meta device) until snake copies
-    them into its tiers, one layer at a time: the process never holds the model's layer
-    weights beside snake's own copy of them, so a model whose weights do not fit in CPU
-    memory trains with its parameters and optimizer states placed on SSD. The embedding,
-    head, final norm, buffers, and what snake does not stream (frozen parameters, those kept
-    in float32) are read at once. Give the result to `SnakeTrainer` as the model; freeze
-    parameters (`requires_grad_(False)`) on `parts.model` before that.
+) -> nn.Module:
+    """The causal LM in a local directory (config.json and *.safetensors), as `load_hf`
+    loads it, but with its layers' parameters left in their files (on the meta device)
+    until snake copies them into its tiers, one layer at a time: the process never holds
+    the model's layer weights beside snake's own copy of them, so a model whose weights do
+    not fit in CPU memory trains with its parameters and optimizer states placed on SSD. The
+    embedding, head, final norm and buffers are read at once; frozen parameters (and those
+    kept in float32) when a trainer is made from the model. Give the model to `SnakeTrainer`
+    as any other; it cannot run a forward of its own (`export_hf` fills it).
 
-    dtype: the parameters' dtype ("auto": the config's, as `from_pretrained` takes it).
-    attn_implementation: as `load_hf` (default "sdpa", or "eager" for a model without SDPA).
-    Weights stored under other names or shapes than the model's (the experts of a mixture of
-    experts stored one by one, which transformers 5 fuses) go through transformers' own
-    conversion, one layer at a time."""
+    dtype: the parameters' dtype ("auto": the config's, else the stored weights', as
+    `from_pretrained` takes it). attn_implementation: as `load_hf` (default "sdpa", or
+    "eager" for a model without SDPA). Weights stored under other names or shapes than the
+    model's (the experts of a mixture of experts stored one by one, which transformers 5
+    fuses; older names) go through transformers' own conversion, one layer at a time.
+    Needs transformers 5."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ModelError(
+            f"stream_hf: needs transformers 5 or later (its loader's layer-by-layer conversion); this is "
+            f"{transformers.__version__}: upgrade it, or load the whole model with snake.hf.load_hf(dir)"
+        )
     directory = Path(path)
     where = _safetensors_keys(directory)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     cls = causal_lm_class(config)
-    chosen: Any = dtype
-    if chosen == "auto":
-        chosen = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(chosen, str):
-        chosen = getattr(torch, chosen, None)
-    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
-        raise ModelError(f"stream_hf: dtype {dtype!r} is not a floating-point torch dtype; pass e.g. torch.bfloat16 or \"auto\"")
+    chosen = _load_dtype(dtype, config, where)
     impls = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
     for impl in impls:
         try:
@@ -842,155 +852,231 @@ def stream_hf(
                     model = cls._from_config(config, attn_implementation=impl, dtype=chosen)
             break
         except ValueError as e:
+            if attn_implementation is not None:
+                raise ModelError(f"stream_hf: attn_implementation={impl!r}: {e}") from None
             if impl == impls[-1] or "scaled_dot_product_attention" not in str(e):
                 raise
     model.eval()  # as from_pretrained returns it
-    parts = describe_hf(model)
+    parts = _describe_hf(model)
     if parts is None:
         raise ModelError(f"stream_hf: snake does not know how the layers of {type(model).__name__} compose; it recognises {supported()}")
-    prefix = parts.blocks_prefix + "."
-    state = model.state_dict(keep_vars=True)
-    lazy = {k for k, t in state.items() if k.startswith(prefix) and isinstance(t, nn.Parameter)}
-    weights: LayerWeights
-    converted = _ConvertedLayers.of(model, parts, where, chosen)
-    if converted is None:
-        # stored under the model's own names: read by name, the layers when snake asks
-        eager = {k: _read(where[k], k, t.dtype if t.is_floating_point() else None)
-                 for k, t in state.items() if k not in lazy and k in where}
-        model.load_state_dict(eager, strict=False, assign=True)
-        weights = _LayerFiles(where, prefix, {k: state[k].dtype for k in lazy})
-        for i in range(len(parts.blocks)):
-            _check_layer(parts, i, weights(i))
-    else:
-        # stored otherwise (experts one by one, older names): transformers' own conversion,
-        # a layer at a time
-        weights = converted
-        kinds, firsts = layer_kinds(parts.blocks)
-        for first in firsts:  # the names map: checked on a layer of each kind
-            _check_layer(parts, first, converted(first))
-        stored = [{k[len(f"{prefix}{i}."):] for k in where if k.startswith(f"{prefix}{i}.")} for i in range(len(kinds))]
-        for i, kind in enumerate(kinds):  # and every layer stores what the first of its kind does
-            if stored[i] != stored[firsts[kind]]:
-                name = min(stored[firsts[kind]] - stored[i] or stored[i] - stored[firsts[kind]])
-                raise ModelError(
-                    f"stream_hf: the checkpoint's layer {i} stores other tensors than layer {firsts[kind]} "
-                    f"(its kind's first): {prefix}{i}.{name} is in one of them only; load it with "
-                    "snake.hf.load_hf(dir) to see what it holds"
-                )
+    source = _LayerSource(model, parts, where, chosen, directory)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    prefix = parts.blocks_prefix + "."
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and not n.startswith(prefix)]
     if missing:
         raise ModelError(
             f"stream_hf: {str(directory)!r} has no {missing[0]!r} ({len(missing)} tensors outside the layers "
             "missing); load it with snake.hf.load_hf(dir), which initialises what a checkpoint leaves out"
         )
-    return dataclasses.replace(parts, weights=weights)
+    source.check()
+    model.snake_layer_weights = source  # describe_hf gives it to the ModelParts
+    return model
 
 
-def _check_layer(parts: ModelParts, layer: int, read: Mapping[str, torch.Tensor]) -> None:
-    """ModelError unless `read` (parts.weights(layer)) names every parameter of the layer
-    that is on the meta device."""
-    for name, p in parts.blocks[layer].named_parameters():
-        if p.is_meta and name not in read:
-            raise ModelError(
-                f"stream_hf: the checkpoint has no {parts.blocks_prefix}.{layer}.{name} (nor anything "
-                "transformers converts into it); load it with snake.hf.load_hf(dir) to see what it holds"
-            )
+_FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_STORED = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
-class _LayerFiles:
-    """`ModelParts.weights` for `stream_hf` where the files use the model's names: layer i's
-    parameters read from the safetensors file that holds each (memory-mapped by
-    safetensors, copied out one tensor at a time), cast to the model's dtype."""
+def _load_dtype(dtype: torch.dtype | str, config: Any, where: Mapping[str, Path]) -> torch.dtype:
+    """The dtype `stream_hf` builds in: `dtype`, or for "auto" the config's, else that of the
+    first floating-point tensor stored (as `from_pretrained(dtype="auto")`)."""
+    from safetensors import safe_open
 
-    def __init__(self, where: Mapping[str, Path], prefix: str, dtypes: Mapping[str, torch.dtype]) -> None:
-        self.where, self.prefix, self.dtypes = where, prefix, dtypes
+    chosen: Any = dtype
+    if chosen == "auto":
+        chosen = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if chosen is None:
+            for key, file in where.items():
+                with safe_open(str(file), framework="pt") as f:
+                    chosen = _STORED.get(f.get_slice(key).get_dtype())
+                if chosen is not None:
+                    break
+            chosen = chosen or torch.float32
+    if isinstance(chosen, str):
+        chosen = getattr(torch, chosen, None)
+    if chosen not in _FLOATS:
+        raise ModelError(
+            f"stream_hf: dtype {dtype!r} is not one snake trains in; pass torch.float32, torch.bfloat16, "
+            'torch.float16 or "auto"'
+        )
+    return chosen
+
+
+class _LayerSource:
+    """`ModelParts.weights` for `stream_hf`: a layer's parameters from the files. Where the
+    files use the model's names they are read by name (memory-mapped by safetensors, copied
+    out one tensor at a time, cast to the model's dtype); otherwise transformers' own
+    conversion (`convert_and_load_state_dict_in_model`, as `from_pretrained` runs it) loads
+    the layer's stored tensors into the model, snake takes the layer's parameters and puts
+    the model's meta ones back. Made by `stream_hf`, which it loads everything outside the
+    layers, and the layers' buffers, into."""
+
+    def __init__(self, model: Any, parts: ModelParts, where: Mapping[str, Path], dtype: torch.dtype,
+                 directory: Path) -> None:
+        self.model, self.where, self.directory = model, where, directory
+        self.prefix = parts.blocks_prefix + "."
+        self.n_layers = len(parts.blocks)
+        self.lock = threading.Lock()  # one conversion at a time: it sets the model's parameters
+        state = model.state_dict(keep_vars=True)
+        # a checkpoint may leave out the base model's prefix (the Hub's GPT-2: "h.0.", OPT:
+        # "decoder.layers.0."), as from_pretrained accepts
+        base = str(getattr(model, "base_model_prefix", "") or "")
+        heads = [self.prefix] + ([self.prefix[len(base) + 1:]] if base and self.prefix.startswith(base + ".") else [])
+        layer_key = re.compile("^(?:" + "|".join(re.escape(h) for h in heads) + r")(\d+)\.")
+        self.stored: list[dict[str, str]] = [{} for _ in range(self.n_layers)]  # per layer: name in layer -> key
+        outside = []
+        for key in where:
+            m = layer_key.match(key)
+            if m and int(m.group(1)) < self.n_layers:
+                self.stored[int(m.group(1))][key[m.end():]] = key
+            else:
+                outside.append(key)
+        self.lazy = {k: t for k, t in state.items() if k.startswith(self.prefix) and isinstance(t, nn.Parameter)}
+        self.direct = all(k in where for k in self.lazy) and all(n in where for n, _ in model.named_parameters()
+                                                                   if not n.startswith(self.prefix))
+        self.load: Callable[[list[str]], Any] | None = None
+        if self.direct:
+            self._check_shapes({k: t for k, t in state.items() if k in where})
+            eager = {k: _read(where[k], k, t.dtype if t.is_floating_point() else None)
+                     for k, t in state.items() if k not in self.lazy and k in where}
+            model.load_state_dict(eager, strict=False, assign=True)
+            return
+        self.load = _converter(model, dtype, where)
+        self.load(outside)
+        for i in range(self.n_layers):  # the layers' stored buffers: by name, or converted with the layer
+            head = f"{self.prefix}{i}."
+            buffers = [k for k, t in state.items() if k.startswith(head) and not isinstance(t, nn.Parameter)]
+            if not buffers:
+                continue
+            if all(k[len(head):] in self.stored[i] for k in buffers):
+                model.load_state_dict({k: _read(where[self.stored[i][k[len(head):]]], self.stored[i][k[len(head):]],
+                                                state[k].dtype if state[k].is_floating_point() else None)
+                                       for k in buffers}, strict=False, assign=True)
+            else:
+                self._converted(i)
 
     def __call__(self, layer: int) -> Mapping[str, torch.Tensor]:
-        return _LayerReader(self, f"{self.prefix}{layer}.")
+        if self.direct:
+            return _LayerReader(self, f"{self.prefix}{layer}.")
+        return self._converted(layer)
+
+    def _check_shapes(self, state: Mapping[str, torch.Tensor]) -> None:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for k in state:
+            by_file.setdefault(self.where[k], []).append(k)
+        for file, keys in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for k in keys:
+                    stored = tuple(f.get_slice(k).get_shape())
+                    if stored != tuple(state[k].shape):
+                        raise ModelError(
+                            f"stream_hf: the checkpoint's {k!r} has shape {stored}, the model its config.json "
+                            f"describes {tuple(state[k].shape)}: the directory's config.json does not match its weights"
+                        )
+
+    def _converted(self, layer: int) -> dict[str, torch.Tensor]:
+        assert self.load is not None
+        block = self.model.get_submodule(f"{self.prefix}{layer}")
+        with self.lock:
+            sites = [(mod, attr, p) for mod in block.modules() for attr, p in mod._parameters.items() if p is not None]
+            try:
+                self.load(list(self.stored[layer].values()))
+                return {n: p.detach() for n, p in block.named_parameters() if not p.is_meta}
+            finally:
+                for mod, attr, p in sites:
+                    mod._parameters[attr] = p
+
+    def check(self) -> None:
+        """ModelError unless every layer's parameters can be read: each one's names (and
+        shapes) where read by name; where converted, a layer of each kind is converted now
+        and every other layer must store what the first of its kind does."""
+        blocks = [self.model.get_submodule(f"{self.prefix}{i}") for i in range(self.n_layers)]
+        if self.direct:
+            return  # every name was found, every shape checked
+        kinds, firsts = layer_kinds(blocks)
+        for first in firsts:
+            read = self._converted(first)
+            for name, p in blocks[first].named_parameters():
+                if p.is_meta and name not in read:
+                    raise ModelError(
+                        f"stream_hf: the checkpoint has no {self.prefix}{first}.{name} (nor anything "
+                        "transformers converts into it); load it with snake.hf.load_hf(dir) to see what it holds"
+                    )
+        for i, kind in enumerate(kinds):
+            mine, want = set(self.stored[i]), set(self.stored[firsts[kind]])
+            if mine != want:
+                name = min((want - mine) or (mine - want))
+                raise ModelError(
+                    f"stream_hf: the checkpoint's layer {i} stores other tensors than layer {firsts[kind]} "
+                    f"(its kind's first): {self.prefix}{i}.{name} is in one of them only; load it with snake.hf.load_hf(dir) "
+                    "to see what it holds"
+                )
 
 
 class _LayerReader(Mapping[str, torch.Tensor]):
-    def __init__(self, files: _LayerFiles, head: str) -> None:
-        self.files, self.head = files, head
+    """One layer's parameters read by name, each when asked for."""
+
+    def __init__(self, source: _LayerSource, head: str) -> None:
+        self.source, self.head = source, head
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self.head + name
-        if key not in self.files.dtypes:
+        if key not in self.source.lazy:
             raise KeyError(name)
-        return _read(self.files.where[key], key, self.files.dtypes[key])
+        return _read(self.source.where[key], key, self.source.lazy[key].dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.head + name in self.source.lazy
 
     def __iter__(self) -> Iterator[str]:
-        return (k[len(self.head):] for k in self.files.dtypes if k.startswith(self.head))
+        return (k[len(self.head):] for k in self.source.lazy if k.startswith(self.head))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
 
-class _ConvertedLayers:
-    """`ModelParts.weights` for `stream_hf` where the files store weights under other names
-    or in other shapes than the model (a mixture of experts stored expert by expert, which
-    transformers 5 fuses): transformers' own conversion (`convert_and_load_state_dict_in_model`,
-    as `from_pretrained` runs it) loads one layer's stored tensors into the model, snake
-    takes the layer's parameters and puts the model's meta ones back."""
+def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Callable[[list[str]], Any]:
+    """keys -> load those stored tensors into `model` through transformers' conversion of
+    its weights (renames, fused experts), as `from_pretrained` does; ModelError for shapes
+    that do not match or a conversion that fails."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
 
-    def __init__(self, model: nn.Module, parts: ModelParts, where: Mapping[str, Path], load: Callable[[Any], Any]) -> None:
-        self.model, self.parts, self.where, self.load = model, parts, where, load
-        self.prefix = parts.blocks_prefix + "."
-        self.lock = threading.Lock()  # one conversion at a time: it sets the model's parameters
+    plan = getattr(model, "_get_dtype_plan", None)
+    mapping: Any = get_model_conversion_mapping(model, None, None)
+    config = LoadStateDictConfig(dtype=dtype, dtype_plan=plan(dtype) if callable(plan) else {}, weight_mapping=mapping)
 
-    @classmethod
-    def of(cls, model: Any, parts: ModelParts, where: Mapping[str, Path], dtype: torch.dtype) -> _ConvertedLayers | None:
-        """Load everything outside the layers now (and the layers' buffers); None where the
-        model has no conversion (or this transformers none to run: before 5, which stored
-        weights under the models' names)."""
+    def load(keys: list[str]) -> None:
+        files = {f: safe_open(str(f), framework="pt") for f in {where[k] for k in keys}}
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # one bar per layer read would flood a training log
         try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import convert_and_load_state_dict_in_model
-            from transformers.modeling_utils import LoadStateDictConfig
-        except ImportError:
-            return None
-        mapping: Any = get_model_conversion_mapping(model, None, None)
-        if not mapping:
-            return None
-        plan = getattr(model, "_get_dtype_plan", None)
-        config = LoadStateDictConfig(dtype=dtype, dtype_plan=plan(dtype) if callable(plan) else {}, weight_mapping=mapping)
+            info, _ = convert_and_load_state_dict_in_model(
+                model=model, state_dict={k: files[where[k]].get_slice(k) for k in keys}, load_config=config,
+            )
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+            for f in files.values():
+                f.__exit__(None, None, None)
+        if info.mismatched_keys:
+            key, stored, want = sorted(info.mismatched_keys)[0]
+            raise ModelError(
+                f"stream_hf: the checkpoint's {key!r} has shape {tuple(stored)}, the model its config.json "
+                f"describes {tuple(want)}: the directory's config.json does not match its weights"
+            )
+        if info.conversion_errors or info.error_msgs:
+            what = next(iter(info.conversion_errors.items()), None) or info.error_msgs[0]
+            raise ModelError(f"stream_hf: transformers could not convert the stored weights ({what}); load it with snake.hf.load_hf(dir)")
 
-        def load(keys: Any) -> None:
-            from safetensors import safe_open
-
-            files = {f: safe_open(str(f), framework="pt") for f in {where[k] for k in keys}}
-            try:
-                convert_and_load_state_dict_in_model(
-                    model=model, state_dict={k: files[where[k]].get_slice(k) for k in keys}, load_config=config,
-                )
-            finally:
-                for f in files.values():
-                    f.__exit__(None, None, None)
-
-        self = cls(model, parts, where, load)
-        layer_key = re.compile(re.escape(self.prefix) + r"\d+\.")
-        load([k for k in where if not layer_key.match(k)])
-        for i, block in enumerate(parts.blocks):
-            if any(True for _ in block.buffers()) and any(k.startswith(f"{self.prefix}{i}.") for k in where):
-                self._layer(i)  # the layer's stored buffers stay, its parameters go back to meta
-        return self
-
-    def __call__(self, layer: int) -> Mapping[str, torch.Tensor]:
-        return self._layer(layer)
-
-    def _layer(self, layer: int) -> dict[str, torch.Tensor]:
-        block = self.parts.blocks[layer]
-        with self.lock:
-            sites = [(mod, attr, p) for mod in block.modules() for attr, p in mod._parameters.items() if p is not None]
-            head = f"{self.prefix}{layer}."
-            try:
-                self.load([k for k in self.where if k.startswith(head)])
-                return {n: p.detach() for n, p in block.named_parameters() if not p.is_meta}
-            finally:
-                for mod, attr, p in sites:
-                    mod._parameters[attr] = p
+    return load
 
 
 def _read(file: Path, key: str, dtype: torch.dtype | None) -> torch.Tensor:
@@ -1003,22 +1089,40 @@ def _read(file: Path, key: str, dtype: torch.dtype | None) -> torch.Tensor:
 
 def _safetensors_keys(directory: Path) -> dict[str, Path]:
     """Every tensor name in a local model directory's safetensors weights -> its file
-    (`model.safetensors`, or the shards `model.safetensors.index.json` maps)."""
-    from safetensors import safe_open
+    (`model.safetensors`, or the shards `model.safetensors.index.json` maps), each file's
+    header read (ModelError for a missing, damaged or incomplete shard: before training, not
+    when its layer is reached)."""
+    from safetensors import SafetensorError, safe_open
 
     if not (directory / "config.json").is_file():
         raise ModelError(f"stream_hf: {str(directory)!r} has no config.json; pass a local model directory")
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: directory / f for k, f in weight_map.items()}
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"stream_hf: {str(directory)!r} has no *.safetensors weights")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelError(f"stream_hf: {str(index)!r} is not a safetensors index ({e}); save the model again") from None
+        listed: dict[Path, set[str]] = {}
+        for k, f in weight_map.items():
+            listed.setdefault(directory / f, set()).add(k)
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"stream_hf: {str(directory)!r} has no *.safetensors weights")
+        listed = {f: set() for f in files}
     out: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            out.update(dict.fromkeys(f.keys(), file))
+    for file, keys in listed.items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                have = set(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"stream_hf: cannot read {str(file)!r} ({e}); copy or save the model again") from None
+        if keys - have:
+            raise ModelError(
+                f"stream_hf: {str(file)!r} has no {min(keys - have)!r}, which the index puts there; copy or "
+                "save the model again"
+            )
+        out.update(dict.fromkeys(keys or have, file))
     return out
 
 

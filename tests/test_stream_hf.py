@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from snake import ModelError, SnakeTrainer
+from snake.adapters import describe
 from snake.hf import export_hf, load_hf, stream_hf
 from tests.helpers import batches
 from tests.test_hf import VOCAB, assert_matches, make, reference, snake_config
@@ -26,9 +27,9 @@ def saved(kind: str, tmp_path, shard: str | None = None, **kw):
     return model, out
 
 
-def layer_params(parts):
-    prefix = parts.blocks_prefix + "."
-    return {n: p for n, p in parts.model.named_parameters() if n.startswith(prefix)}
+def layer_params(model):
+    prefix = describe(model).blocks_prefix + "."
+    return {n: p for n, p in model.named_parameters() if n.startswith(prefix)}
 
 
 async def train(model, data, tmp_path, steps=3):
@@ -44,14 +45,14 @@ async def train(model, data, tmp_path, steps=3):
 ], ids=["llama-sharded", "llama-tied", "gpt2", "qwen3-sharded", "mixtral-sharded", "deepseekv3", "neox"])
 async def test_streamed_layers_train_as_plain_pytorch_and_stay_on_disk(tmp_path, kind, kw, shard):
     model, path = saved(kind, tmp_path, shard, **kw)
-    parts = stream_hf(path)
-    lazy = layer_params(parts)
+    streamed = stream_hf(path)
+    lazy = layer_params(streamed)
     assert lazy and all(p.is_meta for p in lazy.values())
-    outside = [p for n, p in parts.model.named_parameters() if n not in lazy]
+    outside = [p for n, p in streamed.named_parameters() if n not in lazy]
     assert outside and not any(p.is_meta for p in outside)
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = reference(load_hf(path), data, 2)
-    got = await train(parts, data, tmp_path)
+    got = await train(streamed, data, tmp_path)
     assert_matches(got, want)
     # the trained weights came from the files, and the model never held them
     assert all(p.is_meta for p in lazy.values())
@@ -71,12 +72,18 @@ async def test_state_dict_before_a_run_reads_the_layers_from_their_files(tmp_pat
 async def test_bf16_checkpoint_streams_in_its_own_dtype(tmp_path):
     model = make("llama").to(torch.bfloat16)
     model.save_pretrained(str(tmp_path / "m"))
-    parts = stream_hf(tmp_path / "m")
-    assert {p.dtype for p in parts.model.parameters()} == {torch.bfloat16}
-    assert stream_hf(tmp_path / "m", dtype=torch.float32).model.model.embed_tokens.weight.dtype == torch.float32
+    streamed = stream_hf(tmp_path / "m")
+    assert {p.dtype for p in streamed.parameters()} == {torch.bfloat16}
+    assert stream_hf(tmp_path / "m", dtype=torch.float32).model.embed_tokens.weight.dtype == torch.float32
+    # "auto" without a dtype in config.json: the stored weights', as from_pretrained
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert {p.dtype for p in stream_hf(tmp_path / "m").parameters()} == {torch.bfloat16}
     data = batches(2, 4, seq=16, vocab=VOCAB)
     cfg = snake_config(tmp_path / "a", dtype="bfloat16")
-    async with SnakeTrainer(parts, data=data, config=cfg) as t:
+    async with SnakeTrainer(streamed, data=data, config=cfg) as t:
         await asyncio.wait_for(t.run(2), timeout=120)
         got = await t.state_dict()
     async with SnakeTrainer(load_hf(tmp_path / "m"), data=data, config=snake_config(tmp_path / "b", dtype="bfloat16")) as t:
@@ -91,17 +98,17 @@ async def test_frozen_layer_weights_are_read_once_and_held_as_the_models(tmp_pat
     """Parameters frozen after loading stream from snake's CPU copy; they are read from the
     files when the trainer is made, and train as the whole model does."""
     _, path = saved("llama", tmp_path)
-    parts = stream_hf(path)
+    streamed = stream_hf(path)
     whole = load_hf(path)
-    for m in (parts.model, whole):
+    for m in (streamed, whole):
         for name, p in m.named_parameters():
             if "mlp" in name or "embed" in name:
                 p.requires_grad_(False)
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = reference(whole, data, 2)
-    got = await train(parts, data, tmp_path)
+    got = await train(streamed, data, tmp_path)
     assert_matches(got, want)
-    frozen = [p for n, p in layer_params(parts).items() if "mlp" in n]
+    frozen = [p for n, p in layer_params(streamed).items() if "mlp" in n]
     assert frozen and not any(p.is_meta for p in frozen)
 
 
@@ -128,7 +135,7 @@ async def test_a_layer_weight_missing_from_the_checkpoint_is_refused_naming_it(t
         stream_hf(path)
     # a model whose weights transformers converts: a layer of each kind is converted at once,
     # and every layer must store what the first of its kind stores
-    model, path = saved("mixtral", tmp_path)
+    _, path = saved("mixtral", tmp_path)
     file = path / "model.safetensors"
     whole = load_file(str(file))
     for layer in (0, 1):
@@ -156,11 +163,9 @@ def test_missing_weights_outside_the_layers_and_bad_directories_are_refused(tmp_
 
 def test_a_meta_layer_without_weights_is_refused(tmp_path):
     _, path = saved("llama", tmp_path)
-    parts = stream_hf(path)
-    data, config = batches(1, 4, vocab=VOCAB), snake_config(tmp_path)
-    for given in (dataclasses.replace(parts, weights=None), parts.model):
-        with pytest.raises(ModelError, match="meta device.*the ModelParts it returns"):
-            SnakeTrainer(given, data=data, config=config)
+    parts = describe(stream_hf(path))
+    with pytest.raises(ModelError, match="meta device.*stream_hf"):
+        SnakeTrainer(dataclasses.replace(parts, weights=None), data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path))
     assert not (tmp_path / "off").exists()
 
 
@@ -176,14 +181,14 @@ async def test_save_load_and_export_from_streamed_models(tmp_path):
     async with SnakeTrainer(stream_hf(path), data=data, config=snake_config(tmp_path / "a")) as t:
         await asyncio.wait_for(t.run(1), timeout=120)
         await t.save(tmp_path / "ckpt")
-    parts = stream_hf(path)
-    async with SnakeTrainer(parts, data=data, config=snake_config(tmp_path / "b")) as t:
+    streamed = stream_hf(path)
+    async with SnakeTrainer(streamed, data=data, config=snake_config(tmp_path / "b")) as t:
         await t.load(tmp_path / "ckpt")
         await asyncio.wait_for(t.run(1), timeout=120)
         got = await t.state_dict()
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
-    export_hf(got, parts.model, tmp_path / "export")
+    export_hf(got, streamed, tmp_path / "export")
     again = load_hf(tmp_path / "export", dtype=torch.float32)
     assert again.lm_head.weight is again.model.embed_tokens.weight
     for k, v in again.state_dict().items():
@@ -206,3 +211,52 @@ def test_parameters_go_to_meta_only_in_the_building_thread_and_only_while_it_bui
     with pytest.raises(RuntimeError, match="boom"), _parameters_on_meta():
         raise RuntimeError("boom")
     assert not nn.Linear(4, 4).weight.is_meta
+
+
+@pytest.mark.asyncio
+async def test_the_model_is_described_when_the_trainer_is_made(tmp_path):
+    """What the user changes on the model after stream_hf (its attention implementation
+    here, whose masks snake supplies) is what snake trains."""
+    _, path = saved("llama", tmp_path)
+    streamed = stream_hf(path)
+    streamed.set_attn_implementation("eager")
+    whole = load_hf(path, attn_implementation="eager")
+    data = batches(2, 4, seq=16, vocab=VOCAB)
+    want = reference(whole, data, 2)
+    assert_matches(await train(streamed, data, tmp_path, steps=2), want)
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_without_the_base_model_prefix_streams(tmp_path):
+    """The Hub's GPT-2 stores `h.0.…` and `wte.weight`, without `transformer.`, which
+    from_pretrained accepts: its layers stay in the file too."""
+    model, path = saved("gpt2", tmp_path)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+    streamed = stream_hf(path)
+    assert all(p.is_meta for p in layer_params(streamed).values())
+    data = batches(2, 4, seq=16, vocab=VOCAB)
+    assert_matches(await train(streamed, data, tmp_path, steps=2), reference(model, data, 2))
+
+
+def test_damaged_shards_and_a_config_that_does_not_match_are_refused_at_once(tmp_path):
+    _, path = saved("llama", tmp_path, "20KB")
+    shards = sorted(path.glob("*.safetensors"))
+    last = shards[-1].read_bytes()
+    shards[-1].write_bytes(last[: len(last) // 2])
+    with pytest.raises(ModelError, match=rf"cannot read .*{shards[-1].name}"):
+        stream_hf(path)
+    shards[-1].unlink()
+    with pytest.raises(ModelError, match=rf"cannot read .*{shards[-1].name}"):
+        stream_hf(path)
+    (path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not a safetensors index"):
+        stream_hf(path)
+    _, path = saved("llama", tmp_path / "other")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(ModelError, match=r"mlp\..*shape.*config.json does not match"):
+        stream_hf(path)
+    with pytest.raises(ModelError, match="dtype"):
+        stream_hf(path, dtype="float8_e4m3fn")
