@@ -420,6 +420,7 @@ def materialize_block(parts: ModelParts, layer: int, block: nn.Module, names: Se
         new = done.get(id(p))
         if new is None:
             new = done[id(p)] = nn.Parameter(v, requires_grad=p.requires_grad)
+            new.snake_read = True  # type: ignore[attr-defined]  # read through parts.weights
         mods[mod_name]._parameters[attr] = new
 
 

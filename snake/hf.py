@@ -147,6 +147,17 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
     weights = getattr(model, "snake_layer_weights", None)
     if parts is None or weights is None:
         return parts
+    # a layer parameter is on the meta device, or real because snake read it from the files
+    # (frozen ones): one made real otherwise (model.to_empty) would train on whatever it holds
+    for i, block in enumerate(parts.blocks):
+        for name, p in block.named_parameters():
+            if not p.is_meta and not getattr(p, "snake_read", False):
+                raise ModelError(
+                    f"model: {parts.blocks_prefix}.{i}.{name} of a model from stream_hf is no longer on the "
+                    "meta device, and snake did not read it (model.to_empty(...) leaves memory as it finds "
+                    "it): load the model again; a streamed model stays where stream_hf put it (.to(dtype) "
+                    "is fine, .to(device) is not)"
+                )
     return dataclasses.replace(parts, weights=weights)
 
 
@@ -828,7 +839,8 @@ def stream_hf(
     "eager" for a model without SDPA). Weights stored under other names or shapes than the
     model's (the experts of a mixture of experts stored one by one, which transformers 5
     fuses; older names) go through transformers' own conversion, one layer at a time.
-    Needs transformers 5."""
+    The directory must stay as it is until training has started (snake reads the layers
+    from it when the trainer builds its tiers): do not export into it. Needs transformers 5."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -839,7 +851,13 @@ def stream_hf(
         )
     directory = Path(path)
     where = _safetensors_keys(directory)
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(
+            f"stream_hf: cannot read {str(directory / 'config.json')!r} as a transformers config "
+            f"({str(e).strip().splitlines()[0][:300]}); it must name a model_type transformers knows"
+        ) from None
     cls = causal_lm_class(config)
     chosen = _load_dtype(dtype, config, where)
     impls = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
@@ -851,7 +869,7 @@ def stream_hf(
                 else:
                     model = cls._from_config(config, attn_implementation=impl, dtype=chosen)
             break
-        except ValueError as e:
+        except (ValueError, ImportError) as e:
             if attn_implementation is not None:
                 raise ModelError(f"stream_hf: attn_implementation={impl!r}: {e}") from None
             if impl == impls[-1] or "scaled_dot_product_attention" not in str(e):
@@ -934,6 +952,10 @@ class _LayerSource:
             else:
                 outside.append(key)
         self.lazy = {k: t for k, t in state.items() if k.startswith(self.prefix) and isinstance(t, nn.Parameter)}
+        # the dtype each layer parameter is loaded in, as load_hf would load it: a cast of the
+        # model afterwards (`.float()`) then casts what was loaded (`layer_values`), as it
+        # would cast load_hf's weights
+        self.dtypes = {k: t.dtype for k, t in self.lazy.items()}
         self.direct = all(k in where for k in self.lazy) and all(n in where for n, _ in model.named_parameters()
                                                                    if not n.startswith(self.prefix))
         self.load: Callable[[list[str]], Any] | None = None
@@ -983,9 +1005,11 @@ class _LayerSource:
         block = self.model.get_submodule(f"{self.prefix}{layer}")
         with self.lock:
             sites = [(mod, attr, p) for mod in block.modules() for attr, p in mod._parameters.items() if p is not None]
+            head = f"{self.prefix}{layer}."
             try:
                 self.load(list(self.stored[layer].values()))
-                return {n: p.detach() for n, p in block.named_parameters() if not p.is_meta}
+                return {n: p.detach().to(self.dtypes.get(head + n, p.dtype))
+                        for n, p in block.named_parameters() if not p.is_meta}
             finally:
                 for mod, attr, p in sites:
                     mod._parameters[attr] = p
@@ -998,6 +1022,12 @@ class _LayerSource:
         if self.direct:
             return  # every name was found, every shape checked
         kinds, firsts = layer_kinds(blocks)
+        for i in range(self.n_layers):
+            if not self.stored[i]:
+                raise ModelError(
+                    f"stream_hf: the checkpoint has no layer {i} ({self.prefix}{i}.*): config.json gives "
+                    f"{self.n_layers} layers; make its layer count (num_hidden_layers) match the weights"
+                )
         for first in firsts:
             read = self._converted(first)
             for name, p in blocks[first].named_parameters():
@@ -1006,15 +1036,25 @@ class _LayerSource:
                         f"stream_hf: the checkpoint has no {self.prefix}{first}.{name} (nor anything "
                         "transformers converts into it); load it with snake.hf.load_hf(dir) to see what it holds"
                     )
+        shapes = _stored_shapes(self.where)
         for i, kind in enumerate(kinds):
-            mine, want = set(self.stored[i]), set(self.stored[firsts[kind]])
+            first = firsts[kind]
+            mine, want = set(self.stored[i]), set(self.stored[first])
             if mine != want:
                 name = min((want - mine) or (mine - want))
                 raise ModelError(
-                    f"stream_hf: the checkpoint's layer {i} stores other tensors than layer {firsts[kind]} "
+                    f"stream_hf: the checkpoint's layer {i} stores other tensors than layer {first} "
                     f"(its kind's first): {self.prefix}{i}.{name} is in one of them only; load it with snake.hf.load_hf(dir) "
                     "to see what it holds"
                 )
+            for name in sorted(mine):
+                here, there = shapes[self.stored[i][name]], shapes[self.stored[first][name]]
+                if here != there:
+                    raise ModelError(
+                        f"stream_hf: the checkpoint's {self.stored[i][name]!r} has shape {here}, layer {first}'s "
+                        f"{there} ({str(self.where[self.stored[i][name]])!r}); layers of one kind store one shape: "
+                        "the file is damaged or from another model"
+                    )
 
 
 class _LayerReader(Mapping[str, torch.Tensor]):
@@ -1027,7 +1067,7 @@ class _LayerReader(Mapping[str, torch.Tensor]):
         key = self.head + name
         if key not in self.source.lazy:
             raise KeyError(name)
-        return _read(self.source.where[key], key, self.source.lazy[key].dtype)
+        return _read(self.source.where[key], key, self.source.dtypes[key])
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.head + name in self.source.lazy
@@ -1043,7 +1083,7 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Cal
     """keys -> load those stored tensors into `model` through transformers' conversion of
     its weights (renames, fused experts), as `from_pretrained` does; ModelError for shapes
     that do not match or a conversion that fails."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -1054,7 +1094,12 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Cal
     config = LoadStateDictConfig(dtype=dtype, dtype_plan=plan(dtype) if callable(plan) else {}, weight_mapping=mapping)
 
     def load(keys: list[str]) -> None:
-        files = {f: safe_open(str(f), framework="pt") for f in {where[k] for k in keys}}
+        files = {}
+        for file in {where[k] for k in keys}:
+            try:
+                files[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise _gone(file, e) from None
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # one bar per layer read would flood a training log
         try:
@@ -1073,18 +1118,47 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Cal
                 f"describes {tuple(want)}: the directory's config.json does not match its weights"
             )
         if info.conversion_errors or info.error_msgs:
-            what = next(iter(info.conversion_errors.items()), None) or info.error_msgs[0]
-            raise ModelError(f"stream_hf: transformers could not convert the stored weights ({what}); load it with snake.hf.load_hf(dir)")
+            key, what = next(iter(info.conversion_errors.items()), None) or ("", info.error_msgs[0])
+            what = str(what).strip().splitlines()[-1][:300]
+            raise ModelError(
+                f"stream_hf: transformers could not convert the stored weights{' of ' + repr(key) if key else ''} "
+                f"({what}); the files are damaged or from another model: load it with snake.hf.load_hf(dir)"
+            )
 
     return load
 
 
 def _read(file: Path, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            t = f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise _gone(file, e) from None
+    return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+
+
+def _gone(file: Path, e: BaseException) -> ModelError:
+    return ModelError(
+        f"stream_hf: cannot read {str(file)!r} ({e}); a streamed model's directory must stay as it "
+        "was loaded until training has started (snake reads the layers from it then): restore it, "
+        "and export elsewhere"
+    )
+
+
+def _stored_shapes(where: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Each stored tensor's shape, from the files' headers."""
     from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt") as f:
-        t = f.get_tensor(key)
-    return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+    out: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for k, f in where.items():
+        by_file.setdefault(f, []).append(k)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+    return out
 
 
 def _safetensors_keys(directory: Path) -> dict[str, Path]:

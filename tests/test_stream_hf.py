@@ -260,3 +260,46 @@ def test_damaged_shards_and_a_config_that_does_not_match_are_refused_at_once(tmp
         stream_hf(path)
     with pytest.raises(ModelError, match="dtype"):
         stream_hf(path, dtype="float8_e4m3fn")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+async def test_a_cast_after_loading_casts_what_was_loaded(tmp_path, kind):
+    """`stream_hf(dir, dtype=bf16).float()` holds bf16-rounded weights, as
+    `load_hf(dir, dtype=bf16).float()` does (read by name and converted alike)."""
+    _, path = saved(kind, tmp_path)
+    got, want = stream_hf(path, dtype=torch.bfloat16).float(), load_hf(path, dtype=torch.bfloat16).float()
+    states = []
+    for i, model in enumerate((got, want)):
+        async with SnakeTrainer(model, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path / str(i))) as t:
+            states.append(await t.state_dict())
+    assert states[0].keys() == states[1].keys()
+    for k, v in states[1].items():
+        torch.testing.assert_close(states[0][k], v, rtol=0, atol=0, msg=k)
+
+
+def test_a_later_layer_of_another_shape_or_a_missing_layer_is_refused_at_load(tmp_path):
+    _, path = saved("mixtral", tmp_path)
+    file = path / "model.safetensors"
+    whole = load_file(str(file))
+    key = "model.layers.1.self_attn.q_proj.weight"
+    save_file({**whole, key: whole[key][:-1].clone()}, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"{key}.*shape"):
+        stream_hf(path)
+    save_file({k: v for k, v in whole.items() if not k.startswith("model.layers.1.")}, str(file),
+              metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"no layer 1 .*num_hidden_layers"):
+        stream_hf(path)
+
+
+@pytest.mark.asyncio
+async def test_layers_made_real_behind_snakes_back_or_files_gone_are_refused(tmp_path):
+    _, path = saved("llama", tmp_path)
+    emptied = stream_hf(path).to_empty(device="cpu")
+    with pytest.raises(ModelError, match="no longer on the meta device"):
+        SnakeTrainer(emptied, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path / "a"))
+    streamed = stream_hf(path)
+    (path / "model.safetensors").unlink()
+    async with SnakeTrainer(streamed, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path / "b")) as t:
+        with pytest.raises(ModelError, match="cannot read .*must stay as it was loaded"):
+            await asyncio.wait_for(t.run(1), timeout=120)
