@@ -127,6 +127,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
     resident parameters, counted; its hidden size and vocabulary, read from its embedding's
     and its head's outputs on one token."""
     from snake.adapters import (
+        frozen_in_files,
         frozen_named,
         hidden_size,
         kept_fp32_params,
@@ -134,6 +135,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         resident_named_params,
         vocab_size,
     )
+    from snake.kernels import TORCH_DTYPES
 
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
@@ -147,6 +149,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
         layer_frozen_params=-(-sum(frozen) // len(frozen)),
         largest_slot_params=max(slots) if any(frozen) else None,
+        layer_frozen_in_files=frozen_in_files(parts, TORCH_DTYPES[dtype]),
         # held on the device: pre/post's frozen parameters and the blocks' kept in fp32
         frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad) - sum(frozen),
         fp32_params=kept_fp32_params(parts),

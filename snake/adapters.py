@@ -103,10 +103,11 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
         parts = hf
     check_parts(parts)
     if parts.weights is not None:
-        # what does not stream through the tiers (frozen parameters, those kept in float32)
-        # is held as the model's own: read it now
+        # what the device holds (parameters kept in float32, frozen ones that are not floating
+        # point) is held as the model's own: read it now. The streamed frozen ones are read
+        # when the runtime is built (`Kernels`: into a file of their own where they can be)
         for i, b in enumerate(parts.blocks):
-            streamed = {n for n, _ in flat_named(b)}
+            streamed = {n for n, _ in [*flat_named(b), *frozen_named(b)]}
             materialize_block(parts, i, b, [n for n, _ in b.named_parameters() if n not in streamed])
     return parts
 
@@ -422,6 +423,29 @@ def materialize_block(parts: ModelParts, layer: int, block: nn.Module, names: Se
             new = done[id(p)] = nn.Parameter(v, requires_grad=p.requires_grad)
             new.snake_read = True  # type: ignore[attr-defined]  # read through parts.weights
         mods[mod_name]._parameters[attr] = new
+
+
+def frozen_values(parts: ModelParts) -> dict[str, torch.Tensor]:
+    """The model's frozen parameters (requires_grad=False) by name, as `named_parameters`
+    lists them, each as it is or, on the meta device, read through `parts.weights`."""
+    prefix = parts.blocks_prefix + "."
+    out = {n: p.detach() for n, p in parts.model.named_parameters() if not p.requires_grad and not p.is_meta}
+    for i, b in enumerate(parts.blocks):
+        named = [(n, p) for n, p in b.named_parameters() if not p.requires_grad and p.is_meta]
+        if named:
+            out.update({f"{prefix}{i}.{n}": v for (n, _), v in zip(named, layer_values(parts, i, named), strict=True)})
+    return {n: out[n] for n, p in parts.model.named_parameters() if not p.requires_grad}
+
+
+def frozen_in_files(parts: ModelParts, dtype: torch.dtype) -> bool:
+    """Whether the blocks' streamed frozen parameters (`frozen_named`) are still in the
+    files `parts.weights` reads (all on the meta device) and of the compute dtype `dtype`:
+    the runtime then keeps them in a file of its own, mapped, rather than in CPU memory
+    (`Kernels`), and the memory model does not count them."""
+    if parts.weights is None:
+        return False
+    frozen = [p for b in parts.blocks for _, p in frozen_named(b)]
+    return bool(frozen) and all(p.is_meta and p.dtype == dtype for p in frozen)
 
 
 def real_param(model: nn.Module) -> torch.Tensor:

@@ -57,6 +57,7 @@ from safetensors.torch import save_file as st_save_file
 from snake.adapters import (
     ModelParts,
     flat_named,
+    frozen_values,
     layer_kinds,
     layer_specs,
     layer_values,
@@ -266,7 +267,7 @@ def model_spec(parts: ModelParts) -> dict[str, Any]:
 def _frozen_spec(parts: ModelParts) -> dict[str, Any]:
     """The frozen parameters' digests (sha256 of their bytes): they are not stored (they do
     not change), so a load checks that the model it is given holds the same."""
-    frozen = {n: p for n, p in parts.model.named_parameters() if not p.requires_grad}
+    frozen = frozen_values(parts)  # read where a streamed model has them on the meta device
     if not frozen:
         return {}
     return {"frozen_params": {n: _digest(p) for n, p in sorted(frozen.items())}}
@@ -669,9 +670,8 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
             out[f"{comp}/{name}"] = t.view(p.shape)  # each its own tensor: no copy needed
     # frozen parameters, as they are (a load checks the model's against their digests;
     # `snake export` takes them from here)
-    for name, p in parts.model.named_parameters():
-        if not p.requires_grad:
-            out[f"frozen/{name}"] = p.detach().to("cpu").contiguous()
+    for name, t in frozen_values(parts).items():
+        out[f"frozen/{name}"] = t.to("cpu").contiguous()
     return out
 
 

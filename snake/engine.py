@@ -110,6 +110,11 @@ class Engine:
         parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.layer_parts[layer]) if n]
         ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
         self._preflight(offload_dir, parts_units, ckpt_units)
+        try:
+            k.map_frozen(offload_dir)
+        except BaseException:
+            k.restore_modes()
+            raise
         self.stores: dict[str, TierStore] = {}
         # views of store units made once and kept across runs (`inline_store`, h2d's aliases):
         # a unit's place in its store never moves
@@ -208,6 +213,7 @@ class Engine:
             tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)
             + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
             + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize, whole_units=True)
+            + self.kernels.frozen_file_bytes()
         )
         existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
         free = shutil.disk_usage(offload_dir).free + existing

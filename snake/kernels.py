@@ -15,6 +15,7 @@ import contextlib
 import copy
 import logging
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,13 @@ from torch.func import functional_call
 from snake.adapters import (
     ModelParts,
     flat_named,
+    frozen_in_files,
     frozen_named,
     held_named,
     kept_fp32,
     layer_kinds,
+    layer_values,
+    materialize_block,
     resident_named_params,
     takes_layer,
 )
@@ -115,6 +119,11 @@ class Kernels:
         self.kind_frozen_shapes: list[list[torch.Size]] = []
         self.kind_frozen_numels: list[list[int]] = []
         self.frozen_host: list[torch.Tensor | None] = [None for _ in blocks]
+        # a streamed model's frozen parameters still in its files, of the compute dtype: each
+        # layer's flat copy is written to a file of snake's own and mapped (`map_frozen`), so
+        # the kernel's page cache holds them, not the process (a LoRA-style fine-tune of a
+        # model larger than CPU memory)
+        self.frozen_mapped = frozen_copies and frozen_in_files(parts, self.dtype)
         # per layer, its trained parameters kept in float32 (`kept_fp32`: a router's gate in
         # a bfloat16 model), at their places in its kind's shell, by index into the resident
         # lists (they are held on the device and stepped with pre/post's)
@@ -155,8 +164,11 @@ class Kernels:
             self.kind_frozen_sites.append(_param_sites(shell, [n for n, _ in streamed]))
             self.kind_frozen_shapes.append([p.shape for _, p in streamed])
             self.kind_frozen_numels.append([p.numel() for _, p in streamed])
-            if streamed and frozen_copies:
+            if streamed and frozen_copies and not self.frozen_mapped:
                 for i in mine:
+                    # read now where on the meta device (a streamed model of another dtype):
+                    # the model holds them too, as a model loaded whole would
+                    materialize_block(parts, i, blocks[i], [n for n, _ in streamed])
                     own = dict(blocks[i].named_parameters())
                     flat = alloc_host_tensor(sum(p.numel() for _, p in streamed), self.dtype, pin=device.type == "cuda")
                     torch.cat([own[n].detach().reshape(-1).to("cpu", self.dtype) for n, _ in streamed], out=flat)
@@ -209,6 +221,47 @@ class Kernels:
             ).clone()
             for n, p in resident_named_params(parts, trained=False)
         })
+
+    def frozen_file_bytes(self) -> int:
+        """Bytes of the files `map_frozen` writes (0 where the frozen parameters are held in
+        CPU memory)."""
+        if not self.frozen_mapped:
+            return 0
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.kind_frozen[k] for k in self.kinds) * esize
+
+    def map_frozen(self, directory: Path) -> None:
+        """Blocking: each layer's streamed frozen parameters, read from the model's files,
+        written to `directory`/frozen-<layer>.bin in the compute dtype and mapped as
+        `frozen_host[layer]` (the file unlinked at once: its pages live as long as the
+        mapping). The model's parameters are pointed at the mapping."""
+        if not self.frozen_mapped:
+            return
+        blocks = list(self.parts.blocks)
+        for layer, block in enumerate(blocks):
+            named = frozen_named(block)
+            if not named:
+                continue
+            values = layer_values(self.parts, layer, named)
+            flat = torch.cat([v.reshape(-1).to(self.dtype) for v in values])
+            del values
+            path = directory / f"frozen-{layer:05d}.bin"
+            try:
+                with open(path, "wb") as f:
+                    f.write(flat.view(torch.uint8).numpy().data)
+                mapped = torch.from_file(str(path), shared=False, size=flat.numel(), dtype=self.dtype)
+            finally:
+                path.unlink(missing_ok=True)
+            del flat
+            self.frozen_host[layer] = mapped
+            mods = dict(block.named_modules())
+            off = 0
+            for name, p in named:
+                mod_name, _, attr = name.rpartition(".")
+                new = nn.Parameter(mapped[off : off + p.numel()].view(p.shape), requires_grad=False)
+                new.snake_read = True  # type: ignore[attr-defined]
+                mods[mod_name]._parameters[attr] = new
+                off += p.numel()
 
     def restore_modes(self) -> None:
         """Put the user's model back in the train/eval modes it had when the engine was built."""

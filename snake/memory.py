@@ -52,6 +52,9 @@ class ModelShape:
     fp32_params: int = 0
     layer_frozen_params: int = 0
     largest_slot_params: int | None = None
+    # the streamed frozen parameters live in a mapped file (a streamed model's, `frozen_in_files`):
+    # pages the kernel may drop, not counted in the process's memory
+    layer_frozen_in_files: bool = False
 
     @property
     def largest(self) -> int:
@@ -152,7 +155,8 @@ def host_memory(
     else:
         grads = (n * p + (big if grad_staging else 0)) * 4
     resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
-    frozen = n * shape.layer_frozen_params * db  # the streamed frozen parameters' CPU copies
+    # the streamed frozen parameters' CPU copies (none where they are mapped from a file)
+    frozen = 0 if shape.layer_frozen_in_files else n * shape.layer_frozen_params * db
     fixed = tails + act_grads + grads + resident + frozen + 16 * ALIGN
     return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
 

@@ -19,6 +19,7 @@ from snake.adapters import (
     ModelParts,
     describe,
     flat_named,
+    frozen_values,
     input_rows,
     layer_specs,
     layer_values,
@@ -170,6 +171,9 @@ class SnakeTrainer:
             named = [(n, p) for n, p in flat_named(block) if p.is_meta]
             for (n, _), v in zip(named, layer_values(self.parts, i, named), strict=True):
                 sd[f"{prefix}{i}.{n}"] = v
+        for name, v in frozen_values(self.parts).items():
+            if sd.get(name) is not None and sd[name].is_meta:
+                sd[name] = v
         return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in sd.items()}
 
     def _assemble_state_dict(self, e: Engine) -> dict[str, torch.Tensor]:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from planner.profile import shape_of_parts
 from snake import ModelError, SnakeTrainer
 from snake.adapters import describe
 from snake.hf import export_hf, load_hf, stream_hf
@@ -93,23 +95,58 @@ async def test_bf16_checkpoint_streams_in_its_own_dtype(tmp_path):
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 
 
+def mapped_files() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's file mappings (Linux)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi, fields[5]))
+    return out
+
+
 @pytest.mark.asyncio
-async def test_frozen_layer_weights_are_read_once_and_held_as_the_models(tmp_path):
-    """Parameters frozen after loading stream from snake's CPU copy; they are read from the
-    files when the trainer is made, and train as the whole model does."""
+@pytest.mark.parametrize("load_dtype", ["float32", "bfloat16"])
+async def test_frozen_layer_weights_stream_from_a_mapped_file_of_snakes(tmp_path, load_dtype):
+    """A LoRA-style fine-tune of a streamed model: the frozen layer weights, still in the
+    files and of the compute dtype (fp32), go to a file of snake's own that the process maps
+    (the kernel's page cache holds them, not the process); loaded in another dtype (bf16),
+    they are read into memory, as a model loaded whole holds them. Both train as plain
+    PyTorch on the same weights, and a checkpoint saved before the first run holds them."""
     _, path = saved("llama", tmp_path)
-    streamed = stream_hf(path)
-    whole = load_hf(path)
-    for m in (streamed, whole):
+    streamed, again_streamed = (stream_hf(path, dtype=getattr(torch, load_dtype)) for _ in range(2))
+    whole = load_hf(path, dtype=getattr(torch, load_dtype)).float()
+    for m in (streamed, again_streamed, whole):
         for name, p in m.named_parameters():
             if "mlp" in name or "embed" in name:
                 p.requires_grad_(False)
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = reference(whole, data, 2)
-    got = await train(streamed, data, tmp_path)
+    # the memory model leaves out what the mapping holds
+    shape = shape_of_parts(describe(streamed), 2, 16, "float32")
+    assert shape.layer_frozen_in_files == (load_dtype == "float32") and shape.layer_frozen_params > 0
+    async with SnakeTrainer(streamed, data=data, config=snake_config(tmp_path)) as trainer:
+        await trainer.save(tmp_path / "before")
+        await asyncio.wait_for(trainer.run(3), timeout=120)
+        got = await trainer.state_dict()
+        kernels = trainer.engine.kernels
+        assert kernels.frozen_mapped == (load_dtype == "float32")
+        maps = [(lo, hi) for lo, hi, name in mapped_files() if "frozen-" in name and "(deleted)" in name]
+        for host in kernels.frozen_host:
+            assert host is not None
+            inside = any(lo <= host.data_ptr() < hi for lo, hi in maps)
+            assert inside == kernels.frozen_mapped
     assert_matches(got, want)
     frozen = [p for n, p in layer_params(streamed).items() if "mlp" in n]
     assert frozen and not any(p.is_meta for p in frozen)
+    assert not list((tmp_path / "off").glob("frozen-*"))  # unlinked once mapped
+    async with SnakeTrainer(again_streamed, data=data, config=snake_config(tmp_path / "again")) as trainer:
+        await trainer.load(tmp_path / "before")  # the frozen digests match the model's
+        await asyncio.wait_for(trainer.run(3), timeout=120)
+        again = await trainer.state_dict()
+    for k, v in got.items():
+        torch.testing.assert_close(again[k], v, rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.asyncio
