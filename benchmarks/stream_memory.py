@@ -13,6 +13,11 @@ the load and its peak over the run (sampled every 20 ms), the file-backed pages 
 at their peak, each above what the process had after importing torch and transformers, and
 the seconds of the load and of each step. The ways alternate, `--rounds` times. Writes
 benchmarks/results/stream_memory.json.
+
+--frozen: a LoRA-style fine-tune instead: every layer parameter but the attention's query
+projection frozen (requires_grad_(False)) before the trainer is made, so most of each layer
+streams from snake's CPU copy of the frozen weights, or for `stream_hf` where the load dtype
+is the compute dtype (float32 here) from a file snake maps.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def child(way: str, path: str, steps: int, offload: str, dtype: str) -> None:
+def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: bool) -> None:
     """One run in this process; prints one JSON line."""
     import torch
     import transformers  # noqa: F401  (counted in the baseline)
@@ -61,6 +66,10 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str) -> None:
     model = load_hf(path, dtype=load_dtype) if way == "load_hf" else stream_hf(path, dtype=load_dtype)
     loaded = time.perf_counter() - t0
     after_load = _status_kib("RssAnon")
+    if frozen:
+        for name, p in model.named_parameters():
+            if ".layers." in name and "q_proj" not in name:
+                p.requires_grad_(False)
     vocab = 32000
     g = torch.Generator().manual_seed(0)
     data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())
@@ -79,7 +88,7 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str) -> None:
     done.set()
     sampler.join()
     print(json.dumps({
-        "way": way, "dtype": dtype, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
+        "way": way, "dtype": dtype, "frozen": frozen, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
         "anon_after_load_mib": (after_load - base_anon) / 1024, "anon_peak_mib": (peaks["anon"] - base_anon) / 1024,
         "file_peak_mib": (peaks["file"] - base_file) / 1024, "baseline_anon_mib": base_anon / 1024,
     }))
@@ -92,11 +101,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="stream_memory", help="results/<name>.json")
+    ap.add_argument("--frozen", action="store_true", help="freeze every layer parameter but the query projection")
     ap.add_argument("--child", nargs=5, metavar=("WAY", "PATH", "STEPS", "OFFLOAD", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         way, path, steps, offload, dtype = args.child
-        child(way, path, int(steps), offload, dtype)
+        child(way, path, int(steps), offload, dtype, args.frozen)
         return
     import torch
     import transformers
@@ -121,7 +131,8 @@ def main() -> None:
             for way, dtype in ways if r % 2 == 0 else ways[::-1]:
                 off = Path(tmp) / f"off-{way}-{dtype}-{r}"
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", way, str(path), str(args.steps), str(off), dtype],
+                    [sys.executable, __file__, "--child", way, str(path), str(args.steps), str(off), dtype,
+                     *(["--frozen"] if args.frozen else [])],
                     cwd=ROOT, capture_output=True, text=True, timeout=900,
                 )
                 if out.returncode:
