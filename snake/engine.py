@@ -31,6 +31,10 @@ from snake.stores import TierStore, scatter, tail_file_bytes
 from snake.trace import LINK_TRACK, Tracer, Traffic
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _split_parts(sizes: list[int], alpha: float) -> list[tuple[int, int]]:
     """Per layer of `sizes` elements: (now-step, delayed-step) elements, alpha of each
     layer delayed. An alpha so small (or so near 1) that a part would round to no elements
@@ -209,20 +213,21 @@ class Engine:
                 "put offload_dir on a local SSD, or use 'auto' or 'buffered'",
             )
         esize = torch.empty((), dtype=self.dtype).element_size()
-        need = (
+        tiers = (
             tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)
             + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
             + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize, whole_units=True)
-            + self.kernels.frozen_file_bytes()
         )
+        frozen = self.kernels.frozen_file_bytes()  # a streamed model's frozen weights, mapped
         existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
         free = shutil.disk_usage(offload_dir).free + existing
-        if need > free:
+        if tiers + frozen > free:
+            what = f"the SSD tier needs {_size(tiers)}" + (
+                f" and the frozen layer weights' mapped files {_size(frozen)} (whatever the shares)" if frozen else "")
             raise ConfigError(
-                "offload_dir", str(offload_dir),
-                f"has {free / 2**30:.2f} GiB free but the SSD tier needs {need / 2**30:.2f} GiB",
-                "free space there, point offload_dir at a bigger disk, or raise the placement "
-                "shares to keep more in CPU memory",
+                "offload_dir", str(offload_dir), f"has {_size(free)} free but {what}",
+                "free space there, point offload_dir at a bigger disk"
+                + (", or raise the placement shares to keep more in CPU memory" if tiers else ""),
             )
 
     def inline_store(self, kind: str, layer: int, micro_batch: int) -> torch.Tensor | None:

@@ -224,23 +224,32 @@ class Kernels:
 
     def frozen_file_bytes(self) -> int:
         """Bytes of the files `map_frozen` writes (0 where the frozen parameters are held in
-        CPU memory)."""
+        CPU memory, or already mapped by an earlier trainer)."""
         if not self.frozen_mapped:
             return 0
         esize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(self.kind_frozen[k] for k in self.kinds) * esize
+        return sum(self.kind_frozen[self.kinds[i]] for i, b in enumerate(self.parts.blocks)
+                   if _mapping_of(frozen_named(b), self.dtype) is None) * esize
 
     def map_frozen(self, directory: Path) -> None:
         """Blocking: each layer's streamed frozen parameters, read from the model's files,
         written to `directory`/frozen-<layer>.bin in the compute dtype and mapped as
         `frozen_host[layer]` (the file unlinked at once: its pages live as long as the
-        mapping). The model's parameters are pointed at the mapping."""
+        mapping); a layer an earlier trainer mapped keeps its mapping. The model's parameters
+        are pointed at the mappings once every layer is mapped (a failure part-way leaves the
+        model as it was)."""
         if not self.frozen_mapped:
             return
         blocks = list(self.parts.blocks)
+        swaps: list[tuple[nn.Module, list[tuple[str, nn.Parameter]], torch.Tensor]] = []
+        hosts: dict[int, torch.Tensor] = {}
         for layer, block in enumerate(blocks):
             named = frozen_named(block)
             if not named:
+                continue
+            earlier = _mapping_of(named, self.dtype)
+            if earlier is not None:
+                hosts[layer] = earlier
                 continue
             values = layer_values(self.parts, layer, named)
             flat = torch.cat([v.reshape(-1).to(self.dtype) for v in values])
@@ -253,13 +262,18 @@ class Kernels:
             finally:
                 path.unlink(missing_ok=True)
             del flat
-            self.frozen_host[layer] = mapped
+            hosts[layer] = mapped
+            swaps.append((block, named, mapped))
+        for layer, host in hosts.items():
+            self.frozen_host[layer] = host
+        for block, named, mapped in swaps:
             mods = dict(block.named_modules())
             off = 0
             for name, p in named:
                 mod_name, _, attr = name.rpartition(".")
                 new = nn.Parameter(mapped[off : off + p.numel()].view(p.shape), requires_grad=False)
                 new.snake_read = True  # type: ignore[attr-defined]
+                new.snake_mapped = True  # type: ignore[attr-defined]
                 mods[mod_name]._parameters[attr] = new
                 off += p.numel()
 
@@ -543,6 +557,26 @@ def _shell(block: nn.Module) -> nn.Module:
         id(p): nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad) for p in block.parameters()
     }
     return copy.deepcopy(block, memo)
+
+
+def _mapping_of(named: list[tuple[str, nn.Parameter]], dtype: torch.dtype) -> torch.Tensor | None:
+    """The flat mapping an earlier trainer's `map_frozen` pointed these parameters (a layer's
+    streamed frozen ones, in order) at, or None: they are consecutive views of one storage
+    of `dtype`, which they fill."""
+    if not named or not all(getattr(p, "snake_mapped", False) and p.dtype == dtype for _, p in named):
+        return None
+    storage = named[0][1].untyped_storage()
+    n = sum(p.numel() for _, p in named)
+    esize = torch.empty((), dtype=dtype).element_size()
+    if storage.nbytes() != n * esize:
+        return None
+    flat = torch.empty(0, dtype=dtype).set_(storage, 0, (n,), (1,))
+    off = 0
+    for _, p in named:
+        if p.data_ptr() != flat.data_ptr() + off * esize or not p.is_contiguous():
+            return None
+        off += p.numel()
+    return flat
 
 
 def _share_frozen(flat: torch.Tensor, params: list[nn.Parameter]) -> None:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from planner.profile import shape_of_parts
-from snake import ModelError, SnakeTrainer
+from snake import ConfigError, ModelError, Placement, SnakeTrainer
 from snake.adapters import describe
 from snake.hf import export_hf, load_hf, stream_hf
 from tests.helpers import batches
@@ -340,3 +340,62 @@ async def test_layers_made_real_behind_snakes_back_or_files_gone_are_refused(tmp
     async with SnakeTrainer(streamed, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path / "b")) as t:
         with pytest.raises(ModelError, match="cannot read .*must stay as it was loaded"):
             await asyncio.wait_for(t.run(1), timeout=120)
+
+
+def lora(model):
+    for name, p in model.named_parameters():
+        if "mlp" in name or "embed" in name:
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.asyncio
+async def test_a_second_trainer_keeps_the_first_ones_mapping_and_a_failed_mapping_changes_nothing(
+    tmp_path, monkeypatch
+):
+    _, path = saved("llama", tmp_path)
+    streamed = lora(stream_hf(path))
+    data = batches(2, 4, seq=16, vocab=VOCAB)
+    hosts = []
+    for i in range(2):
+        async with SnakeTrainer(streamed, data=data, config=snake_config(tmp_path / str(i))) as trainer:
+            await asyncio.wait_for(trainer.run(1), timeout=120)
+            kernels = trainer.engine.kernels
+            assert kernels.frozen_mapped
+            hosts.append([h.data_ptr() for h in kernels.frozen_host])
+    assert hosts[0] == hosts[1]  # the same mapping: nothing read into memory the second time
+
+    # a mapping that fails part-way (here the second layer's) leaves the model as it was
+    fresh = lora(stream_hf(path))
+    calls = []
+    from_file = torch.from_file
+
+    def failing(*args, **kw):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return from_file(*args, **kw)
+
+    monkeypatch.setattr(torch, "from_file", failing)
+    async with SnakeTrainer(fresh, data=data, config=snake_config(tmp_path / "fail")) as trainer:
+        with pytest.raises(OSError, match="No space left"):
+            await asyncio.wait_for(trainer.run(1), timeout=120)
+    frozen = [p for n, p in layer_params(fresh).items() if "mlp" in n]
+    assert frozen and all(p.is_meta for p in frozen)
+    assert not list((tmp_path / "fail" / "off").glob("frozen-*"))
+
+
+@pytest.mark.asyncio
+async def test_not_enough_disk_for_the_mapped_frozen_weights_names_them(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    import snake.engine
+
+    _, path = saved("llama", tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(snake.engine.shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**10, 2**10))
+    config = dataclasses.replace(snake_config(tmp_path), placement=Placement.all_cpu())
+    async with SnakeTrainer(lora(stream_hf(path)), data=batches(1, 4, vocab=VOCAB), config=config) as trainer:
+        with pytest.raises(ConfigError, match=r"0\.0 MiB free but the SSD tier needs 0\.0 MiB and the frozen layer "
+                                              r"weights' mapped files [0-9.]+ MiB"):
+            await asyncio.wait_for(trainer.run(1), timeout=120)
