@@ -143,7 +143,11 @@ class Compute(Actor):
 
     async def _k(self, label: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         call = functools.partial(fn, *args, **kwargs)
-        return await self.work(self.e.executors["compute"], label, call)
+        self._inflight += 1  # as a job (`_start`): a queued job's end must not mark the actor idle
+        try:
+            return await self.work(self.e.executors["compute"], label, call)
+        finally:
+            self._inflight -= 1
 
     async def run(self) -> None:
         e = self.e
@@ -190,9 +194,16 @@ class Compute(Actor):
     async def _start(self, parts: list[_Part]) -> _Job:
         if self.busy is None:  # as Actor.work: busy from before the fault hook on
             self.busy = (parts[0].label, self.tracer.now())
-        if self.fault_hook is not None:
-            for part in parts:
-                await self.fault_hook(self.name, part.label)
+        # in flight from here on: an earlier job that ends while the fault hook (tests) holds
+        # this one must not mark the actor idle
+        self._inflight += 1
+        try:
+            if self.fault_hook is not None:
+                for part in parts:
+                    await self.fault_hook(self.name, part.label)
+        except BaseException:
+            self._job_done(None)
+            raise
         now = self.tracer.now
         marks = self.e.marks
 
@@ -212,7 +223,6 @@ class Compute(Actor):
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().run_in_executor(self.e.executors["compute"], call)
         if marks is not None:  # queued on the device, not done: done when its end mark is reached
             fut = asyncio.ensure_future(self._reached(fut, parts, marks))
-        self._inflight += 1
         fut.add_done_callback(self._job_done)
         return _Job(parts, fut)
 
@@ -246,7 +256,7 @@ class Compute(Actor):
             stop = seen - marks.seconds(end, last[1])
             part.times[0], part.times[1] = stop - marks.seconds(start, end), stop
 
-    def _job_done(self, _: asyncio.Future) -> None:
+    def _job_done(self, _: asyncio.Future | None) -> None:
         # a finished job the actor has not collected yet (it may be waiting for the next
         # one's inputs) is not work in progress: the watchdog must not blame it for a stall
         self._inflight -= 1
