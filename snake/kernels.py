@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ from snake.buffers import alloc_host_tensor
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
+from snake.errors import StorageError
 from snake.optim import adamw_step
 
 log = logging.getLogger("snake")
@@ -259,6 +261,12 @@ class Kernels:
                 with open(path, "wb") as f:
                     f.write(flat.view(torch.uint8).numpy().data)
                 mapped = torch.from_file(str(path), shared=False, size=flat.numel(), dtype=self.dtype)
+            except OSError as e:
+                raise StorageError(
+                    e.errno or errno.EIO,
+                    f"writing {path.name}, layer {layer}'s frozen weights to map, failed ({e}); nothing "
+                    "was changed: free space in the offload_dir or point it at another disk",
+                ) from e
             finally:
                 path.unlink(missing_ok=True)
             del flat
