@@ -221,6 +221,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--schedule", default="vertical", choices=("vertical", "horizontal"))
     p.add_argument("--max-micro-batches", type=positive_int, default=64)
+    p.add_argument("--resident-optimizer", default="auto", choices=("auto", "cpu", "ssd"),
+                   help="where the embeddings' and head's optimizer state lives (auto: the planner chooses)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="save the roofline plot to this image file")
     p.add_argument("--remeasure", action="store_true", help="ignore the cached profile")
@@ -234,6 +236,7 @@ def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) ->
         "micro_batches": plan.n_micro,
         "alpha": plan.alpha,
         "placement": {"param": pl.param, "ckpt": pl.ckpt, "opt": pl.opt},
+        "resident_optimizer": plan.resident_optimizer,
         "predicted_iteration_seconds": plan.predicted_iteration_seconds,
         "predicted_tokens_per_s": plan.predicted_tokens_per_s,
         "binding": list(plan.binding),
@@ -257,6 +260,7 @@ def format_table(d: dict) -> str:
         ("micro-batches", str(d["micro_batches"])),
         ("alpha (delayed step)", f"{d['alpha']:.2f}"),
         ("CPU share", f"param {p['param']:.1%}  ckpt {p['ckpt']:.1%}  opt {p['opt']:.1%}"),
+        ("resident optimizer", f"{d['resident_optimizer']} (embeddings' and head's state)"),
         ("iteration", f"{d['predicted_iteration_seconds']:.4g} s"),
         ("throughput", f"{d['predicted_tokens_per_s']:.4g} tokens/s"),
         ("binding", ", ".join(d["binding"]) or "-"),
@@ -338,11 +342,13 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     except (ConfigError, ModelError) as e:
         print(f"snake plan: {e}", file=sys.stderr)
         return 2
-    plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches)
+    resident = None if args.resident_optimizer == "auto" else args.resident_optimizer
+    plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches, resident=resident)
     if isinstance(plan, Infeasible):
         print(f"snake plan: infeasible: {plan.message}", file=sys.stderr)
         return 2
-    d = plan_json(plan, profile, predict_horizontal(profile, plan.n_micro, plan.placement))
+    d = plan_json(plan, profile, predict_horizontal(profile, plan.n_micro, plan.placement,
+                                                    resident=plan.resident_optimizer))
     print(json.dumps(d, indent=1) if args.json else format_table(d))
     if args.plot:
         ns = range(1, max(16, 2 * plan.n_micro) + 1)

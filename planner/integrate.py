@@ -1,4 +1,5 @@
-"""Resolving a SnakeConfig's `None` fields (micro_batches, placement, alpha) with a plan.
+"""Resolving a SnakeConfig's `None` fields (micro_batches, placement, alpha,
+resident_optimizer) with a plan.
 
 Two situations:
 - the micro-batch size is given and n grows the global batch (GreedySnake's Algorithm 1,
@@ -100,13 +101,16 @@ def plan_for_config(
         alphas=None if config.alpha is None else (config.alpha,),
         placement=config.placement,
         n_micro=config.micro_batches,
+        resident=config.resident_optimizer,
     )
 
 
 def apply_plan(config: SnakeConfig, plan: Plan) -> SnakeConfig:
-    """The config with micro_batches, placement and alpha taken from the plan."""
+    """The config with micro_batches, placement, alpha and resident_optimizer taken from
+    the plan."""
     return dataclasses.replace(
-        config, micro_batches=plan.n_micro, placement=plan.placement, alpha=plan.alpha
+        config, micro_batches=plan.n_micro, placement=plan.placement, alpha=plan.alpha,
+        resident_optimizer=plan.resident_optimizer,
     )
 
 

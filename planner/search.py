@@ -31,15 +31,17 @@ def best_alpha(
     schedule: str = "vertical",
     workers: int = 2,
     placement: Placement | None = None,
+    resident: str | None = "cpu",
 ) -> Plan | Infeasible:
     """The plan of highest predicted throughput over alphas at n_micro (the smallest alpha
-    among those within 1e-9 of it); the first Infeasible if none fits."""
+    among those within 1e-9 of it); the first Infeasible if none fits. resident: as
+    `planner.solve.solve`."""
     best: Plan | None = None
     first_short: Infeasible | None = None
     for a in alphas:
         r = solve(
             profile, n_micro=n_micro, alpha=a, schedule=schedule, workers=workers,
-            placement=placement,
+            placement=placement, resident=resident,
         )
         if isinstance(r, Infeasible):
             first_short = first_short or r
@@ -61,18 +63,21 @@ def search(
     workers: int = 2,
     placement: Placement | None = None,
     n_micro: int | None = None,
+    resident: str | None = "cpu",
 ) -> Plan | Infeasible:
     """Smallest micro-batch count reaching saturated throughput, with its alpha and shares.
 
     alphas: candidates (None: `default_alphas(schedule)`). patience: n's in a row with < 1 %
-    gain before stopping. placement / n_micro: fix them instead of searching. Returns the
+    gain before stopping. placement / n_micro: fix them instead of searching. resident:
+    where the resident optimizer state lives ("cpu", "ssd"; None: the faster). Returns the
     Infeasible of n = 1 (or of the fixed n) when nothing fits."""
     alphas = tuple(default_alphas(schedule) if alphas is None else alphas)
     if not alphas:
         raise ValueError("alphas must not be empty")
     def at(n: int) -> Plan | Infeasible:
         return best_alpha(
-            profile, n, alphas=alphas, schedule=schedule, workers=workers, placement=placement
+            profile, n, alphas=alphas, schedule=schedule, workers=workers, placement=placement,
+            resident=resident,
         )
 
     if n_micro is not None:

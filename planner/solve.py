@@ -28,6 +28,7 @@ from planner.model import KINDS, Phase, layer_seconds, phases_for, ssd_bytes
 from planner.profile import MachineProfile
 from snake.config import Placement
 from snake.memory import (
+    OPT_BYTES_PER_ELEM,
     RUNTIME_OVERHEAD_BYTES,
     LinearMemory,
     device_memory,
@@ -49,7 +50,9 @@ class Plan:
     occurrence of that phase for one layer. binding: rows that are tight at the optimum
     (`cpu_memory`, `compute_fwd`, `ssd_bwd`, `adam_bwd`, `h2d_fwd`, ...).
     host_memory_bytes: what the runtime will allocate in host memory.
-    ssd_bytes_per_iteration: SSD reads + writes per iteration, all layers."""
+    ssd_bytes_per_iteration: SSD reads + writes per iteration, all layers (and the resident
+    optimizer state where it is on SSD). resident_optimizer: where the resident (pre/post)
+    optimizer state lives, "cpu" or "ssd"."""
 
     schedule: str
     n_micro: int
@@ -61,6 +64,7 @@ class Plan:
     layer_seconds: dict[str, float]
     host_memory_bytes: float
     ssd_bytes_per_iteration: float
+    resident_optimizer: str = "cpu"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +117,8 @@ def host_budget(profile: MachineProfile, n_micro: int) -> tuple[float, float]:
 
 
 def memory_check(
-    profile: MachineProfile, mem: LinearMemory, n_micro: int, placement: Placement | None
+    profile: MachineProfile, mem: LinearMemory, n_micro: int, placement: Placement | None,
+    resident_on_ssd: bool = False,
 ) -> Infeasible | None:
     """Infeasible when even the smallest host footprint (or the fixed placement) is over."""
     budget, dev = host_budget(profile, n_micro)
@@ -135,6 +140,9 @@ def memory_check(
         return None
     extra = f" + {fmt_bytes(dev)} device working set on the CPU" if profile.device == "cpu" else ""
     extra += f" + {fmt_bytes(RUNTIME_OVERHEAD_BYTES)} runtime overhead"
+    resident = profile.shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
+    if not resident_on_ssd and resident:
+        fix += f", resident_optimizer='ssd' (the embeddings' and head's optimizer state, {fmt_bytes(resident)} here)"
     return Infeasible(
         resource="cpu_memory", short_by=need - budget, unit="bytes",
         need=f"CPU memory: need {fmt_bytes(need)} {what} at n={n_micro}{extra}, have "
@@ -228,14 +236,23 @@ def _run(lp: highspy.HighsLp) -> list[float] | None:
     return list(h.getSolution().col_value[: len(KINDS)])
 
 
+def resident_ssd_seconds(profile: MachineProfile) -> float:
+    """Seconds per iteration of the resident optimizer state on SSD: its master, m and v read
+    and written back once, at the iteration's end, on the compute actor's time."""
+    b = profile.shape.resident_params * OPT_BYTES_PER_ELEM
+    return b / profile.ssd_read_bytes_per_s + b / profile.ssd_write_bytes_per_s
+
+
 def make_plan(
     profile: MachineProfile, phases, mem: LinearMemory, budget: float,
-    x: tuple[float, float, float], *, n_micro: int, alpha: float, schedule: str,
+    x: tuple[float, float, float], *, n_micro: int, alpha: float, schedule: str, resident_on_ssd: bool = False,
 ) -> Plan:
     """Evaluate the time model at x and name the tight rows."""
     shape = profile.shape
     layer = layer_seconds(phases, x)
     iteration = shape.n_layers * layer + n_micro * profile.pre_post_seconds
+    if resident_on_ssd:
+        iteration += resident_ssd_seconds(profile)
     binding = []
     host = mem.at(*x)
     if host >= budget * (1 - 1e-5):
@@ -251,7 +268,9 @@ def make_plan(
         binding=tuple(binding),
         layer_seconds={ph.name: ph.seconds_at(x) for ph in phases},
         host_memory_bytes=host,
-        ssd_bytes_per_iteration=shape.n_layers * ssd_bytes(phases, x),
+        ssd_bytes_per_iteration=shape.n_layers * ssd_bytes(phases, x)
+        + (2 * shape.resident_params * OPT_BYTES_PER_ELEM if resident_on_ssd else 0),
+        resident_optimizer="ssd" if resident_on_ssd else "cpu",
     )
 
 
@@ -263,20 +282,42 @@ def solve(
     schedule: str = "vertical",
     workers: int = 2,
     placement: Placement | None = None,
+    resident: str | None = "cpu",
 ) -> Plan | Infeasible:
     """Best placement for n_micro micro-batches and delayed-step share alpha.
 
     workers: CPU optimizer workers (they size the runtime's staging pools). placement: fix
-    the shares instead of choosing them (the LP then only predicts and checks memory)."""
+    the shares instead of choosing them (the LP then only predicts and checks memory).
+    resident: where the resident optimizer state lives ("cpu", "ssd"); None: both are
+    solved and the faster plan kept (in CPU memory where they tie). On SSD it frees CPU
+    memory for the layers' shares and costs its reads and writes at each iteration's end."""
     _check(alpha, n_micro, schedule)
+    if resident not in ("cpu", "ssd", None):
+        raise ValueError(f"resident={resident!r} must be 'cpu', 'ssd' or None")
+    if resident is not None:
+        return _solve(profile, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
+                      placement=placement, resident_on_ssd=resident == "ssd")
+    cpu, ssd = (_solve(profile, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
+                       placement=placement, resident_on_ssd=on) for on in (False, True))
+    if isinstance(cpu, Infeasible):
+        return ssd if isinstance(ssd, Plan) or ssd.short_by < cpu.short_by else cpu
+    if isinstance(ssd, Plan) and ssd.predicted_iteration_seconds < cpu.predicted_iteration_seconds * (1 - 1e-9):
+        return ssd
+    return cpu
+
+
+def _solve(
+    profile: MachineProfile, *, n_micro: int, alpha: float, schedule: str, workers: int,
+    placement: Placement | None, resident_on_ssd: bool,
+) -> Plan | Infeasible:
     staging = profile.device == "cuda"  # horizontal's pinned gradient staging buffer
     mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                      grad_staging=staging)
+                      grad_staging=staging, resident_on_ssd=resident_on_ssd)
     # Checkpoints are whole units (snake.stores.cpu_units): with all of them in CPU memory
     # there are no checkpoint staging pools, which the general (linear) model cannot drop at
     # share 1, so that case is solved with its own exact model and the better plan is kept.
     mem_ckpt = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                           ckpt_in_cpu=True, grad_staging=staging)
+                           ckpt_in_cpu=True, grad_staging=staging, resident_on_ssd=resident_on_ssd)
     budget, _ = host_budget(profile, n_micro)
     phases = phases_for(profile, n_micro, alpha, schedule)
 
@@ -285,7 +326,8 @@ def solve(
         if sol is None:
             return None
         x0, x1, x2 = (min(1.0, max(0.0, v)) for v in sol)
-        return make_plan(profile, phases, m, budget, (x0, x1, x2), n_micro=n_micro, alpha=alpha, schedule=schedule)
+        return make_plan(profile, phases, m, budget, (x0, x1, x2), n_micro=n_micro, alpha=alpha, schedule=schedule,
+                         resident_on_ssd=resident_on_ssd)
 
     def needed(plan: Plan | None) -> Plan:
         if plan is None:  # the memory check before it is exact: this would be a numerical failure
@@ -294,9 +336,9 @@ def solve(
 
     if placement is not None:
         m = mem_ckpt if placement.ckpt >= 1.0 else mem
-        short = memory_check(profile, m, n_micro, placement)
+        short = memory_check(profile, m, n_micro, placement, resident_on_ssd)
         return short if short is not None else needed(solved(m, placement, False))
-    short = memory_check(profile, mem, n_micro, None)
+    short = memory_check(profile, mem, n_micro, None, resident_on_ssd)
     if short is not None and short.resource != "cpu_memory":
         return short
     plans = [needed(solved(mem, None, False))] if short is None else []
@@ -312,19 +354,22 @@ def solve(
 
 
 def predict(
-    profile: MachineProfile, n_micro: int, placement: Placement, alpha: float, schedule: str
+    profile: MachineProfile, n_micro: int, placement: Placement, alpha: float, schedule: str,
+    resident: str = "cpu",
 ) -> float:
-    """Predicted iteration seconds of a fixed configuration (no memory check)."""
+    """Predicted iteration seconds of a fixed configuration (no memory check); resident:
+    where the resident optimizer state lives ("cpu", "ssd")."""
     _check(alpha, n_micro, schedule)
     x = (placement.param, placement.ckpt, placement.opt)
     layer = layer_seconds(phases_for(profile, n_micro, alpha, schedule), x)
-    return profile.shape.n_layers * layer + n_micro * profile.pre_post_seconds
+    extra = resident_ssd_seconds(profile) if resident == "ssd" else 0.0
+    return profile.shape.n_layers * layer + n_micro * profile.pre_post_seconds + extra
 
 
 def predict_horizontal(
-    profile: MachineProfile, n_micro: int, placement: Placement, alpha: float = 0.0
+    profile: MachineProfile, n_micro: int, placement: Placement, alpha: float = 0.0, resident: str = "cpu"
 ) -> float:
     """Iteration seconds of the horizontal (ZeRO-Infinity) schedule at a fixed placement:
     params loaded 2n times per layer, fp32 gradients to CPU every micro-batch, optimizer
     overlapped only with the last micro-batch's backward (alpha: with the first forward)."""
-    return predict(profile, n_micro, placement, alpha, "horizontal")
+    return predict(profile, n_micro, placement, alpha, "horizontal", resident)

@@ -232,6 +232,7 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         # bit of a few elements, snake.optim.adamw_step; a new optimizer setting is the
         # user's choice)
         "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
+        "resident_optimizer": cfg.resident_optimizer,  # informational, as placement (bitwise either way)
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
     }
 
@@ -484,8 +485,8 @@ def check_resolved(config: SnakeConfig, manifest: dict[str, Any]) -> None:
 
 
 def fill_config(config: SnakeConfig, manifest: dict[str, Any]) -> SnakeConfig:
-    """The trainer's config with its planner-chosen (None) micro_batches, alpha and
-    placement taken from the checkpoint, where it recorded them; but with a memory budget
+    """The trainer's config with its planner-chosen (None) micro_batches, alpha,
+    placement and resident_optimizer taken from the checkpoint, where it recorded them; but with a memory budget
     (cpu_memory_bytes) the planner places under it, as for a new run (the checkpoint's
     placement may not fit this machine; placement changes results only in the last bit of
     a few elements)."""
@@ -496,6 +497,8 @@ def fill_config(config: SnakeConfig, manifest: dict[str, Any]) -> SnakeConfig:
             changes[name] = saved[name]
     if config.placement is None and config.cpu_memory_bytes is None and saved.get("placement") is not None:
         changes["placement"] = Placement(**saved["placement"])
+    if config.resident_optimizer is None and config.cpu_memory_bytes is None and saved.get("resident_optimizer"):
+        changes["resident_optimizer"] = saved["resident_optimizer"]
     return dataclasses.replace(config, **changes) if changes else config
 
 
@@ -659,10 +662,15 @@ def layer_tensors(parts: ModelParts, layer: int, stacked: torch.Tensor) -> dict[
 
 def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    # the state on SSD: read into a mapping of a scratch file, not into the process's memory
+    snap = None
+    if e is not None and e.kernels.res_store is not None:
+        snap = e.kernels.resident_snapshot(e.kernels.res_store.file.path.parent)  # type: ignore[union-attr]
     for i, (name, p) in enumerate(resident_named_params(parts)):
-        if e is not None:
-            k = e.kernels
-            comps = (k.res_master[i], k.res_m[i], k.res_v[i])
+        if snap is not None:
+            comps = snap[i]
+        elif e is not None:
+            comps = e.kernels.resident_components(i)
         else:
             master = p.detach().to("cpu", torch.float32)
             comps = (master, torch.zeros_like(master), torch.zeros_like(master))
@@ -817,6 +825,22 @@ class _TensorFile:
     def keys(self) -> set[str]:
         return self._keys
 
+    def take_range(self, key: str, shape: torch.Size, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the flattened fp32 tensor `key` of `shape`, reading only the
+        rows (first dimension) that hold them."""
+        if key not in self._keys:
+            raise SnakeError(f"load: {self.path} lacks tensor {key!r}: the checkpoint is damaged")
+        sl = self._f.get_slice(key)
+        got = torch.Size(sl.get_shape())
+        if sl.get_dtype() != "F32" or got != shape:
+            raise SnakeError(f"load: {self.path}: tensor {key!r} is {sl.get_dtype()} {tuple(got)}, expected "
+                             f"torch.float32 {tuple(shape)}")
+        if not shape:  # a scalar
+            return self.take(key, shape)[None][a:b]
+        row = shape.numel() // shape[0] if shape[0] else 1
+        r0, r1 = a // row, -(-b // row)
+        return sl[r0:r1].reshape(-1)[a - r0 * row : b - r0 * row]
+
     def take(self, key: str, shape: torch.Size | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if key not in self._keys:
             raise SnakeError(f"load: {self.path} lacks tensor {key!r}: the checkpoint is damaged")
@@ -825,6 +849,15 @@ class _TensorFile:
             want = f"{dtype} {tuple(shape)}" if shape is not None else str(dtype)
             raise SnakeError(f"load: {self.path}: tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {want}")
         return t
+
+
+def _ranges(f: _TensorFile, name: str, shape: torch.Size) -> Callable[[int, int, int], torch.Tensor]:
+    """A resident parameter's state in the checkpoint as `Kernels.set_resident` reads it:
+    (component, first, end) -> those elements of its flat master, m or v."""
+    def read(c: int, a: int, b: int) -> torch.Tensor:
+        return f.take_range(f"{COMPS[c]}/{name}", shape, a, b)
+
+    return read
 
 
 def _spread(src: torch.Tensor, at: int, k: int, head: torch.Tensor, tail: torch.Tensor | None) -> None:
@@ -879,10 +912,7 @@ def apply_checkpoint(
     k = e.kernels
     with torch.no_grad(), _TensorFile(target / RESIDENT) as f:
         for i, (name, p) in enumerate(resident_named_params(parts)):
-            for comp, dst in zip(COMPS, (k.res_master[i], k.res_m[i], k.res_v[i]), strict=True):
-                dst.copy_(f.take(f"{comp}/{name}", p.shape).view(-1))
-            k.res_dev[i].copy_(k.res_master[i].view(k.res_shapes[i]))
-            k.res_grad[i].zero_()
+            k.set_resident(i, _ranges(f, name, p.shape))
     synchronize(e.device)
     step = int(manifest["step"])
     e.next_t = step

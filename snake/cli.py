@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from snake.config import MAX_SEED, STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
+from snake.config import MAX_SEED, RESIDENT_TIERS, STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
 from snake.errors import ActorFailed, ConfigError, SnakeError
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: CUDA if present)")
     p.add_argument("--storage-backend", default="auto", choices=list(STORAGE_BACKENDS),
                    help="how the SSD tier's files are read and written (auto: the best this machine has)")
+    p.add_argument("--resident-optimizer", default="cpu", choices=list(RESIDENT_TIERS),
+                   help="where the embedding's and head's optimizer state lives")
     p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=_seed, default=0)
@@ -125,6 +127,7 @@ def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
         alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1), dtype=args.dtype,
         device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
+        resident_optimizer=args.resident_optimizer,
     )
 
 

@@ -16,6 +16,7 @@ from snake.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("vertical", "horizontal")
 STORAGE_BACKENDS = ("auto", "posix", "buffered", "kvikio")
+RESIDENT_TIERS = ("cpu", "ssd")
 Dtype = Literal["float32", "bfloat16", "float16"]
 Schedule = Literal["vertical", "horizontal"]
 
@@ -121,6 +122,14 @@ class SnakeConfig:
         (the page cache) or "kvikio" (needs CUDA, its driver and the kvikio package).
     stall_timeout_s: when no actor finishes any work for this long, run() fails with
         ActorFailed naming the stalled actor (None: wait forever).
+    resident_optimizer: where the fp32 master weights and Adam m and v of the resident
+        parameters (embeddings, final norm, head: those not in the streamed layers) live.
+        "cpu": in CPU memory, 16 bytes per parameter with the gradients' host copy. "ssd":
+        in a file in offload_dir, read, stepped and written back in chunks at each
+        iteration's end (24 bytes of SSD traffic per parameter and iteration, on the
+        compute actor's time; host memory: two chunk buffers, `snake.memory`). None: the
+        planner chooses, with micro_batches / placement / alpha. The device copy and the
+        gradient accumulator stay on the device either way.
     """
 
     micro_batches: int | None = 1
@@ -142,6 +151,7 @@ class SnakeConfig:
     io_threads: int = 2
     storage_backend: str = "auto"
     stall_timeout_s: float | None = 300.0
+    resident_optimizer: str | None = "cpu"
 
     def __post_init__(self) -> None:
         m = self.micro_batches
@@ -194,6 +204,12 @@ class SnakeConfig:
         if self.storage_backend not in STORAGE_BACKENDS:
             raise ConfigError("storage_backend", self.storage_backend, f"must be one of {STORAGE_BACKENDS}",
                               "'auto' picks the best one this machine has")
+        if self.resident_optimizer is not None and self.resident_optimizer not in RESIDENT_TIERS:
+            raise ConfigError(
+                "resident_optimizer", self.resident_optimizer, f"must be one of {RESIDENT_TIERS} or None",
+                "'ssd' when the embeddings' and head's optimizer state does not fit in CPU memory; "
+                "None lets the planner choose",
+            )
         for name in ("optimizer_workers", "io_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

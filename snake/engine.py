@@ -135,6 +135,10 @@ class Engine:
             self.stores["act_grad"] = TierStore(
                 "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin
             )
+            if k.res_on_ssd:  # the resident optimizer state: wholly on SSD, in chunks
+                self.stores["resident"] = TierStore(
+                    "resident", torch.float32, k.resident_sizes(), cpu_share=0.0, comps=3, **store_kw)
+                k.use_resident_store(self.stores["resident"], pin=self.pin)
         except BaseException:
             self.close_files()
             self.kernels.restore_modes()
@@ -218,6 +222,8 @@ class Engine:
             + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
             + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize, whole_units=True)
         )
+        if self.kernels.res_on_ssd:
+            tiers += tail_file_bytes(self.kernels.resident_sizes(), cpu_share=0.0, comps=3, esize=4)
         frozen = self.kernels.frozen_file_bytes()  # a streamed model's frozen weights, mapped
         existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
         free = shutil.disk_usage(offload_dir).free + existing

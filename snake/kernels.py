@@ -15,7 +15,8 @@ import contextlib
 import copy
 import errno
 import logging
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -36,12 +37,14 @@ from snake.adapters import (
     resident_named_params,
     takes_layer,
 )
-from snake.buffers import alloc_host_tensor
+from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import synchronize
 from snake.errors import StorageError
+from snake.memory import resident_chunk
 from snake.optim import adamw_step
+from snake.stores import TierStore, Unit
 
 log = logging.getLogger("snake")
 
@@ -198,8 +201,18 @@ class Kernels:
         self.n_outer = sum(1 for n, _ in res if not n.startswith(prefix))
         outer_kept = kept_fp32(model, skip=prefix)
         self.res_names = ["model." + n for n, _ in res]
-        self.res_master = [p.detach().to("cpu", torch.float32).clone().reshape(-1) for _, p in res]
         self.res_shapes = [p.shape for _, p in res]
+        # their fp32 master weights and Adam m, v: flat CPU tensors here, or with
+        # resident_optimizer="ssd" chunks of a store on SSD (`use_resident_store`), where
+        # these lists stay empty; read and written through `resident_components` / `set_resident`
+        self.res_on_ssd = config.resident_optimizer == "ssd"
+        self.res_store: TierStore | None = None
+        self.res_units: list[list[Unit]] = []  # per resident parameter, its chunks in the store
+        self.res_stage: HostBuffer | None = None  # one chunk's master, m and v
+        self.res_gstage: torch.Tensor | None = None  # one chunk's gradient on the host
+        self._res_initial = [p for _, p in res] if self.res_on_ssd else []  # written to the store once
+        self.res_master = [] if self.res_on_ssd else [
+            p.detach().to("cpu", torch.float32).clone().reshape(-1) for _, p in res]
         self.res_m = [torch.zeros_like(p) for p in self.res_master]
         self.res_v = [torch.zeros_like(p) for p in self.res_master]
         self.res_dev = [
@@ -530,31 +543,172 @@ class Kernels:
         self._accumulate_resident(grads)
 
     # -- resident optimizer step --------------------------------------------------------
-    def resident_step(self, step: int) -> None:
+    def resident_step(self, step: int) -> int:
         """AdamW on pre/post, step count `step` for each parameter less the iterations it had
         no gradient in; one without a gradient this iteration is left, as torch.optim.AdamW
-        leaves it."""
-        grads = [g.to("cpu") for g in self.res_grad]
+        leaves it. With the state on SSD, chunk by chunk: read, step, write back, and the
+        chunk's master to the device copy. Returns the SSD bytes read and written."""
         on = [i for i, got in enumerate(self.res_got) if got]
         for i, got in enumerate(self.res_got):
             if not got:
                 self.res_skips[i] += 1
-        adamw_step([self.res_master[i] for i in on], [grads[i] for i in on], [self.res_m[i] for i in on],
-                   [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt)
+        moved = 0
+        if self.res_store is None:
+            grads = [g.to("cpu") for g in self.res_grad]
+            adamw_step([self.res_master[i] for i in on], [grads[i] for i in on], [self.res_m[i] for i in on],
+                       [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt)
+            with torch.no_grad():
+                for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
+                    dev.copy_(master.view(shape))
+        else:
+            store, buf, gbuf = self.res_store, self.res_stage, self.res_gstage
+            with torch.no_grad():
+                for i in on:
+                    assert buf is not None and gbuf is not None
+                    dev = self.res_dev[i].view(-1)
+                    for u, a in self._chunks(i):
+                        store.read_tail(u, buf)
+                        t = store.tail(u, buf)
+                        g = gbuf[: u.n]
+                        g.copy_(self.res_grad[i][a : a + u.n])
+                        adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - self.res_skips[i], opt=self.opt)
+                        store.write_tail(u, buf)
+                        dev[a : a + u.n].copy_(t[0])
+                        moved += 2 * store.tail_bytes(u)
         self.res_got = [False] * len(self.res_got)
-        with torch.no_grad():
-            for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
-                dev.copy_(master.view(shape))
         for g in self.res_grad:
             g.zero_()
         synchronize(self.device)
+        return moved
+
+    def resident_sizes(self) -> list[tuple[tuple[str, int], int]]:
+        """The resident-on-SSD store's units: each resident parameter in chunks of
+        `resident_chunk` elements, keyed (name, chunk)."""
+        total = sum(s.numel() for s in self.res_shapes)
+        c = resident_chunk(total)
+        return [((name, j), min(c, s.numel() - j * c))
+                for name, s in zip(self.res_names, self.res_shapes, strict=True)
+                for j in range(-(-s.numel() // c))]
+
+    def use_resident_store(self, store: TierStore, *, pin: bool) -> None:
+        """Blocking: keep the resident optimizer state in `store` (every unit of
+        `resident_sizes` on SSD): the model's values as masters, m and v zero."""
+        total = sum(s.numel() for s in self.res_shapes)
+        c = resident_chunk(total)
+        self.res_units = [[store.unit((name, j)) for j in range(-(-s.numel() // c))]
+                          for name, s in zip(self.res_names, self.res_shapes, strict=True)]
+        if total:  # (every resident parameter frozen: nothing to stage)
+            self.res_stage = alloc_host(3 * c * 4, pin=pin)
+            self.res_gstage = alloc_host_tensor(c, torch.float32, pin=pin)
+        self.res_store = store
+        for i, p in enumerate(self._res_initial):
+            master = p.detach().reshape(-1)
+            self._write_resident(i, master, None, None)
+        self._res_initial = []
+
+    def _chunks(self, i: int) -> Iterator[tuple[Unit, int]]:
+        """Resident parameter i's units with their first element's offset."""
+        a = 0
+        for u in self.res_units[i]:
+            yield u, a
+            a += u.n
+
+    def _write_resident(self, i: int, master: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        store, buf = self.res_store, self.res_stage
+        assert store is not None and buf is not None
+        with torch.no_grad():
+            for u, a in self._chunks(i):
+                t = store.tail(u, buf)
+                for c, src in enumerate((master, m, v)):
+                    if src is None:
+                        t[c].zero_()
+                    else:
+                        t[c].copy_(src[a : a + u.n])
+                store.write_tail(u, buf)
+
+    def resident_components(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Resident parameter i's fp32 master, m and v, flat on the CPU: snake's own tensors
+        (do not change them), or read from the SSD into new ones."""
+        if self.res_store is None:
+            return self.res_master[i], self.res_m[i], self.res_v[i]
+        store, buf = self.res_store, self.res_stage
+        assert buf is not None
+        n = self.res_shapes[i].numel()
+        master, m, v = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+        for u, a in self._chunks(i):
+            store.read_tail(u, buf)
+            t = store.tail(u, buf)
+            for c, dst in enumerate((master, m, v)):
+                dst[a : a + u.n].copy_(t[c])
+        return master, m, v
+
+    def set_resident(self, i: int, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Blocking: resident parameter i's optimizer state from `read(c, a, b)`, elements
+        [a, b) of its flat fp32 master (c = 0), m (1) or v (2); with the state on SSD a chunk
+        at a time. Its device copy follows the master; its gradient accumulator is cleared."""
+        n = self.res_shapes[i].numel()
+        dev = self.res_dev[i].view(-1)
+        with torch.no_grad():
+            if self.res_store is None:
+                for c, dst in enumerate((self.res_master[i], self.res_m[i], self.res_v[i])):
+                    dst.copy_(read(c, 0, n))
+                dev.copy_(self.res_master[i])
+            else:
+                store, buf = self.res_store, self.res_stage
+                assert buf is not None
+                for u, a in self._chunks(i):
+                    t = store.tail(u, buf)
+                    for c in range(3):
+                        t[c].copy_(read(c, a, a + u.n))
+                    store.write_tail(u, buf)
+                    dev[a : a + u.n].copy_(t[0])
+            self.res_grad[i].zero_()
+
+    def resident_snapshot(self, directory: Path) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Blocking, with the state on SSD: every resident parameter's master, m and v (flat
+        fp32) read into a shared mapping of a scratch file in `directory`, unlinked at once:
+        pages the kernel writes back and may drop, so a save does not hold the whole state
+        in the process's own memory. The mapping lives as long as the tensors."""
+        store, buf = self.res_store, self.res_stage
+        assert store is not None and buf is not None
+        total = sum(s.numel() for s in self.res_shapes)
+        path = directory / "resident-save.bin"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, 3 * total * 4)  # the blocks now: no SIGBUS on a full disk later
+            finally:
+                os.close(fd)
+            flat = torch.from_file(str(path), shared=True, size=3 * total, dtype=torch.float32)
+        except OSError as e:
+            raise StorageError(
+                e.errno or errno.EIO,
+                f"save: the scratch file {path} for the resident optimizer state could not be made ({e}); "
+                "free space in the offload_dir",
+            ) from e
+        finally:
+            path.unlink(missing_ok=True)
+        out = []
+        off = 0
+        for i, s in enumerate(self.res_shapes):
+            n = s.numel()
+            comps = tuple(flat[off + c * n : off + (c + 1) * n] for c in range(3))
+            for u, a in self._chunks(i):
+                store.read_tail(u, buf)
+                t = store.tail(u, buf)
+                for c in range(3):
+                    comps[c][a : a + u.n].copy_(t[c])
+            out.append(comps)
+            off += 3 * n
+        return out  # type: ignore[return-value]
 
     def resident_state(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of pre/post by parameter name (without the 'model.' prefix)."""
-        return {
-            n[len("model.") :]: m.view(s).clone()
-            for n, m, s in zip(self.res_names, self.res_master, self.res_shapes, strict=True)
-        }
+        out = {}
+        for i, (n, s) in enumerate(zip(self.res_names, self.res_shapes, strict=True)):
+            master = self.resident_components(i)[0]
+            out[n[len("model.") :]] = master.view(s).clone() if self.res_store is None else master.view(s)
+        return out
 
 
 def _shell(block: nn.Module) -> nn.Module:

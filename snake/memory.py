@@ -17,6 +17,27 @@ from snake.io.base import ALIGN
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPT_BYTES_PER_ELEM = 12  # fp32 master + Adam m + v
+# The resident (pre/post) optimizer state on SSD (`SnakeConfig.resident_optimizer="ssd"`) is
+# stepped in chunks of at most this many elements per parameter: one staging buffer holds a
+# chunk's master, m and v (read, stepped, written back), another its gradient. A multiple of
+# 1024, so every chunk starts at a 4 KiB boundary and the fused AdamW's vector remainder
+# falls where it falls for the whole tensor: the chunked step is bitwise the whole one.
+RESIDENT_CHUNK_ELEMS = 4 << 20
+
+
+def resident_chunk(resident_params: int) -> int:
+    """Elements of a resident-on-SSD chunk: RESIDENT_CHUNK_ELEMS, or all the resident
+    parameters (rounded up to 1024) where they are fewer."""
+    return max(1024, min(RESIDENT_CHUNK_ELEMS, -(-resident_params // 1024) * 1024))
+
+
+def resident_host_bytes(resident_params: int, on_ssd: bool) -> int:
+    """Host bytes of the resident optimizer state: in CPU memory its fp32 master, m and v
+    and the gradients copied to the host for the step (16 bytes per element); on SSD the
+    two staging buffers (master, m, v and gradient of one chunk)."""
+    if on_ssd:
+        return 4 * resident_chunk(resident_params) * 4 if resident_params else 0
+    return resident_params * (OPT_BYTES_PER_ELEM + 4)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +129,7 @@ def host_memory(
     pools: PoolSizes = PoolSizes(),
     ckpt_in_cpu: bool = False,
     grad_staging: bool = False,
+    resident_on_ssd: bool = False,
 ) -> LinearMemory:
     """Host bytes the runtime holds for a placement, linear in the CPU shares.
 
@@ -125,7 +147,9 @@ def host_memory(
     pools (which a linear model cannot drop at share 1) would still charge a few units.
 
     grad_staging: horizontal on CUDA also holds one pinned fp32 layer buffer that each
-    micro-batch's gradient is copied into before it is added to the layer's accumulator."""
+    micro-batch's gradient is copied into before it is added to the layer's accumulator.
+
+    resident_on_ssd: the resident optimizer state lives on SSD (`resident_host_bytes`)."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
     big = shape.largest  # staging buffers and gradient buffers: sized for the largest layer
     param_total = n * p * db
@@ -154,7 +178,7 @@ def host_memory(
         per_share["param"] -= alpha * n * p * db
     else:
         grads = (n * p + (big if grad_staging else 0)) * 4
-    resident = shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
+    resident = resident_host_bytes(shape.resident_params, resident_on_ssd)
     # the streamed frozen parameters' CPU copies (none where they are mapped from a file)
     frozen = 0 if shape.layer_frozen_in_files else n * shape.layer_frozen_params * db
     fixed = tails + act_grads + grads + resident + frozen + 16 * ALIGN
@@ -218,11 +242,12 @@ def off_budget_bytes(shape: ModelShape, *, n_micro: int, device_type: str) -> fl
 
 def placement_bytes(
     shape: ModelShape, *, n_micro: int, alpha: float, schedule: str, workers: int,
-    param: float, ckpt: float, opt: float, device_type: str,
+    param: float, ckpt: float, opt: float, device_type: str, resident_on_ssd: bool = False,
 ) -> float:
     """Host bytes a run with these CPU shares grows the process by: what the planner holds
     against `cpu_memory_bytes` (`host_memory` at the shares, with its exact model when
     every checkpoint is in CPU memory, plus `off_budget_bytes`)."""
     mem = host_memory(shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                      ckpt_in_cpu=ckpt >= 1.0, grad_staging=device_type == "cuda")
+                      ckpt_in_cpu=ckpt >= 1.0, grad_staging=device_type == "cuda",
+                      resident_on_ssd=resident_on_ssd)
     return mem.at(param, ckpt, opt) + off_budget_bytes(shape, n_micro=n_micro, device_type=device_type)

@@ -315,7 +315,8 @@ class SnakeTrainer:
             1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
         )
         first = await self.source.peek(self._data_ex)
-        planned = cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None
+        planned = (cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None
+                   or cfg.resident_optimizer is None)
         if planned:
             cfg = await self._plan(first)
         assert cfg.micro_batches is not None
@@ -383,12 +384,16 @@ class SnakeTrainer:
         shape = shape_of_parts(self.parts, b // m, seq, cfg.dtype)
         kind = self.device.type
         need = placement_bytes(shape, n_micro=m, alpha=cfg.alpha, schedule=cfg.schedule, workers=cfg.optimizer_workers,
-                               param=p.param, ckpt=p.ckpt, opt=p.opt, device_type=kind)
+                               param=p.param, ckpt=p.ckpt, opt=p.opt, device_type=kind,
+                               resident_on_ssd=cfg.resident_optimizer == "ssd")
         given = cfg.cpu_memory_bytes is not None
         have = float(cfg.cpu_memory_bytes) if cfg.cpu_memory_bytes is not None else float(
             psutil.virtual_memory().available)
         fix = ("use smaller CPU shares in placement (more on SSD), more micro-batches (smaller ones), shorter "
-               "sequences, or placement=None to have the planner place the model in the memory there is")
+               "sequences, or placement=None to have the planner place the model in the memory there is"
+               + ("; resident_optimizer='ssd' puts the embeddings' and head's optimizer state on SSD "
+                  f"({fmt_bytes(shape.resident_params * 16)} of CPU memory now)"
+                  if cfg.resident_optimizer == "cpu" and shape.resident_params else ""))
         if need > have:
             other = off_budget_bytes(shape, n_micro=m, device_type=kind)
             raise ConfigError(

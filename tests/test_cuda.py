@@ -38,7 +38,18 @@ async def test_parity_on_cuda_with_each_storage_backend(tmp_path, backend):
     await _parity(tmp_path, "vertical", "all-ssd", backend)
 
 
-async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batch=6, seq=16):  # type: ignore[no-untyped-def]
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["posix", "auto"])
+async def test_resident_optimizer_on_ssd_on_cuda(tmp_path, monkeypatch, backend):
+    """The embedding's and head's optimizer state on SSD: chunks staged in pinned buffers,
+    gradients copied from the device and masters back per chunk; the weights of PyTorch."""
+    monkeypatch.setattr("snake.memory.RESIDENT_CHUNK_ELEMS", 1024)
+    await _parity(tmp_path, "vertical", "mixed", backend, resident_optimizer="ssd")
+
+
+async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batch=6, seq=16,  # type: ignore[no-untyped-def]
+                  resident_optimizer="cpu"):
     """Three iterations of snake and of PyTorch on the GPU: the same losses and weights.
     Returns snake's trace spans."""
     placement, alpha = PLACEMENTS[where]
@@ -50,10 +61,12 @@ async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batc
     want, want_losses = reference(model, data, micro, device="cuda")
     cfg = SnakeConfig(
         micro_batches=micro, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule, device="cuda",
-        storage_backend=backend,
+        storage_backend=backend, resident_optimizer=resident_optimizer,
     )
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         report = await trainer.run(3)
+        if resident_optimizer == "ssd":
+            assert trainer.engine.kernels.res_gstage.is_pinned()
         got = await trainer.state_dict()
         spans = list(trainer.trace.spans)
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)

@@ -182,7 +182,10 @@ class Compute(Actor):
                     await self._drop(ahead)
                 raise
             self.at(t)
-            await self._k("resident step", e.kernels.resident_step, t + 1)
+            moved = await self._k("resident step", e.kernels.resident_step, t + 1)
+            if moved:  # the resident optimizer state on SSD: read and written back once each
+                e.traffic.add(t, "ssd", "cpu", "opt", moved // 2)
+                e.traffic.add(t, "cpu", "ssd", "opt", moved // 2)
             loss = await self._k("loss", _total, losses)
             report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens)
             self.reports.append(report)

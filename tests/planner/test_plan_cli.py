@@ -211,3 +211,26 @@ def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
     captured = capsys.readouterr()
     assert captured.out == "" and says in captured.err
     assert not (tmp_path / "o").exists()  # refused before anything was measured
+
+
+def test_resident_optimizer_goes_to_ssd_where_only_that_fits(tmp_path, capsys):
+    """`--resident-optimizer auto` (the default) puts the embedding's and head's optimizer
+    state on SSD where the CPU budget holds the run only so, and says so; `cpu` is then
+    infeasible, with `resident_optimizer='ssd'` in its fix."""
+    from snake.memory import placement_bytes
+
+    prof = synthetic_profile()
+    kw = dict(n_micro=1, alpha=0.0, schedule="vertical", workers=2, device_type="cuda")
+
+    def least(on_ssd):  # linear in the shares: the smallest footprint is at a corner
+        return min(placement_bytes(prof.shape, **kw, param=p, ckpt=c, opt=o, resident_on_ssd=on_ssd)
+                   for p in (0.0, 1.0) for c in (0.0, 1.0) for o in (0.0, 1.0))
+
+    budget = int((least(True) + least(False)) / 2)
+    assert plan_main(_args(tmp_path, "--json", "--cpu-memory", str(budget)), profile=prof) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["resident_optimizer"] == "ssd" and d["host_total_bytes"] <= budget
+    assert plan_main(_args(tmp_path, "--cpu-memory", "64GiB"), profile=prof) == 0
+    assert "resident optimizer    cpu" in capsys.readouterr().out  # the SSD's traffic costs time
+    assert plan_main(_args(tmp_path, "--cpu-memory", str(budget), "--resident-optimizer", "cpu"), profile=prof) == 2
+    assert "resident_optimizer='ssd'" in capsys.readouterr().err

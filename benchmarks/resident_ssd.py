@@ -1,0 +1,135 @@
+"""CPU memory and time per iteration of the resident (embedding, head) optimizer state in CPU
+memory against on SSD (`SnakeConfig.resident_optimizer`), on a model whose vocabulary makes
+the resident parameters a large part of it.
+
+    python benchmarks/resident_ssd.py [--vocab 131072] [--width 512] [--steps 4] [--rounds 2]   # ~2 min
+
+The built-in GPT (4 layers, tied head, `--vocab` x `--width` embedding), trained on the CPU
+device with its layers' parameters, checkpoints and optimizer states all on SSD (alpha 0, one
+micro-batch of 1 x 64 tokens), in a fresh process per way and round, the ways alternating.
+Reports the process's anonymous memory (RssAnon) at its peak over the run, sampled every
+20 ms, above what it had before the model was built, and its growth during a `save()` after
+the run; the seconds of each step after the first; the SSD bytes of the last step (the trainer's traffic); and the losses, which must be
+the same both ways. Writes benchmarks/results/<--name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from common import ROOT, SCRATCH, machine, save  # type: ignore[import-not-found]
+
+
+def _anon_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise KeyError("RssAnon")
+
+
+def child(way: str, vocab: int, width: int, steps: int, offload: str) -> None:
+    """One run in this process; prints one JSON line."""
+    import torch
+
+    from snake import Placement, SnakeConfig, SnakeTrainer
+    from snake.models import GPT, GPTConfig
+
+    base = _anon_kib()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], _anon_kib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=width // 64, n_embd=width, vocab_size=vocab, block_size=64))
+    resident = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    g = torch.Generator().manual_seed(0)
+    data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+            for x in (torch.randint(0, vocab, (1, 65), generator=g) for _ in range(steps))]
+    cfg = SnakeConfig(micro_batches=1, offload_dir=offload, placement=Placement.all_ssd(), alpha=0.0, device="cpu",
+                      resident_optimizer=way)
+
+    saving = {}
+
+    async def go() -> tuple[list[float], list[float], dict]:
+        async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+            report = await trainer.run(steps)
+            traffic = trainer.traffic()
+            saving["run_peak"] = peak[0]
+            saving["before"] = peak[0] = _anon_kib()
+            await trainer.save(Path(offload) / "ckpt")
+            saving["peak"] = peak[0]
+        return [s.loss for s in report.steps], [s.seconds for s in report.steps], traffic
+
+    losses, step_s, traffic = asyncio.run(go())
+    done.set()
+    sampler.join()
+    ssd = sum(v for (src, dst, _kind), v in traffic.items() if "ssd" in (src, dst))
+    print(json.dumps({
+        "way": way, "losses": losses, "step_s": step_s, "anon_peak_mib": (saving["run_peak"] - base) / 1024,
+        "save_anon_growth_mib": (saving["peak"] - saving["before"]) / 1024,
+        "ssd_bytes_last_step": ssd, "resident_params": resident,
+        "layer_params": sum(p.numel() for p in model.blocks.parameters()),
+    }))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=131072)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--name", default="resident_ssd", help="results/<name>.json")
+    ap.add_argument("--child", nargs=2, metavar=("WAY", "OFFLOAD"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], args.vocab, args.width, args.steps, args.child[1])
+        return
+    runs = []
+    for r in range(args.rounds):
+        for way in ("cpu", "ssd") if r % 2 == 0 else ("ssd", "cpu"):
+            off = SCRATCH / f"resident-{way}-{r}"
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", way, str(off), "--vocab", str(args.vocab),
+                 "--width", str(args.width), "--steps", str(args.steps)],
+                cwd=ROOT, capture_output=True, text=True, timeout=900,
+            )
+            if out.returncode:
+                raise SystemExit(f"{way}: {out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row["round"] = r
+            runs.append(row)
+            print(f"round {r} resident on {way}: anon peak +{row['anon_peak_mib']:5.0f} MiB (save "
+                  f"+{row['save_anon_growth_mib']:4.0f} MiB)  steps "
+                  f"{[round(s, 2) for s in row['step_s'][1:]]} s  SSD last step {row['ssd_bytes_last_step'] / 2**20:.0f} "
+                  f"MiB  losses {[round(x, 4) for x in row['losses']]}", flush=True)
+    by = {w: [x for x in runs if x["way"] == w] for w in ("cpu", "ssd")}
+    same = all(x["losses"] == runs[0]["losses"] for x in runs)
+    step = {w: statistics.median(s for x in by[w] for s in x["step_s"][1:]) for w in by}
+    summary = {
+        "resident_params": runs[0]["resident_params"], "layer_params": runs[0]["layer_params"],
+        "anon_peak_mib": {w: [round(x["anon_peak_mib"]) for x in by[w]] for w in by},
+        "save_anon_growth_mib": {w: [round(x["save_anon_growth_mib"]) for x in by[w]] for w in by},
+        "median_step_s": step, "ssd_over_cpu_step": step["ssd"] / step["cpu"],
+        "extra_ssd_bytes_per_step": statistics.median(x["ssd_bytes_last_step"] for x in by["ssd"])
+        - statistics.median(x["ssd_bytes_last_step"] for x in by["cpu"]),
+        "same_losses": same,
+    }
+    print(json.dumps(summary, indent=1))
+    result = {"machine": machine(), "args": vars(args), "runs": runs, "summary": summary}
+    print(f"saved {save(args.name, result)}")
+
+
+if __name__ == "__main__":
+    main()

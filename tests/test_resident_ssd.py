@@ -1,0 +1,345 @@
+"""The resident (pre/post) optimizer state on SSD (`SnakeConfig.resident_optimizer="ssd"`):
+the same weights as plain PyTorch and bitwise those of the state in CPU memory, checkpoints
+across both, the planner's choice, what it costs in memory and traffic, and its faults."""
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from snake import ActorFailed, ConfigError, Placement, SnakeConfig, SnakeTrainer
+from snake.errors import StorageError
+from snake.faults import StorageFaults, inject_storage
+from snake.memory import OPT_BYTES_PER_ELEM, host_memory, resident_chunk, resident_host_bytes
+from tests.helpers import assert_close_state, batches, reference, tiny_gpt, train
+from tests.test_fault_injection import _bin_fds, _snake_threads
+
+MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1024 elements: the tiny GPT's embedding (96 x 64) and position table
+    (32 x 64) take several each, and the final norm (64) one short one."""
+    monkeypatch.setattr("snake.memory.RESIDENT_CHUNK_ELEMS", 1024)
+
+
+def _resident_numel(model) -> int:
+    from snake.adapters import describe, resident_named_params
+
+    return sum(p.numel() for _, p in resident_named_params(describe(model)))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule,alpha,placement", [
+    ("vertical", 0.0, Placement.all_ssd()),
+    ("vertical", 0.3, MIXED),
+    ("horizontal", 0.0, MIXED),
+    ("horizontal", 0.3, Placement.all_cpu()),
+])
+async def test_matches_plain_pytorch_and_the_cpu_state_bitwise(tmp_path, small_chunks, schedule, alpha, placement):
+    model = tiny_gpt(n_layer=3, bias=False)
+    data = batches(3, 4)
+    want, want_losses = reference(model, data, 2)
+    kw = dict(micro_batches=2, placement=placement, alpha=alpha, schedule=schedule)
+    got, report, traffic = await train(model, data, 3, offload_dir=tmp_path / "ssd", resident_optimizer="ssd", **kw)
+    cpu, _, cpu_traffic = await train(model, data, 3, offload_dir=tmp_path / "cpu", **kw)
+    assert_close_state(got, want)
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
+    for k in cpu:  # chunks at multiples of 1024 elements: the fused AdamW's rounding is the whole tensor's
+        assert torch.equal(got[k], cpu[k]), k
+    # one read and one write of master, m and v per iteration, counted as optimizer traffic
+    resident = _resident_numel(model) * OPT_BYTES_PER_ELEM
+    for link in (("ssd", "cpu", "opt"), ("cpu", "ssd", "opt")):
+        assert traffic.get(link, 0) - cpu_traffic.get(link, 0) == resident, link
+
+
+@pytest.mark.asyncio
+async def test_state_lives_in_the_file_not_in_memory(tmp_path, small_chunks):
+    model = tiny_gpt(n_layer=2, bias=False)
+    n = _resident_numel(model)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as trainer:
+        before = await trainer.state_dict()  # read from the file before the first step: the model's values
+        for k, v in model.state_dict().items():
+            if k in before:
+                assert torch.equal(before[k], v.float()), k
+        await trainer.run(2)
+        k = trainer.engine.kernels
+        assert k.res_master == [] and k.res_m == [] and k.res_v == []
+        store = trainer.engine.stores["resident"]
+        assert store.cpu_bytes() == 0 and (tmp_path / "resident.bin").stat().st_size == store.file_bytes
+        c = resident_chunk(n)
+        assert c == 1024 and store.file_bytes >= 3 * n * 4
+        # what the memory model charges is what the runtime holds for it: the two staging buffers
+        assert k.res_stage.nbytes + k.res_gstage.numel() * 4 == resident_host_bytes(n, True) == 4 * c * 4
+        after = await trainer.state_dict()
+    assert not (tmp_path / "resident.bin").exists()  # scratch: removed at close
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_memory_model_charges_chunks_instead_of_16_bytes_per_parameter():
+    from planner.profile import shape_of
+    from snake.models.gpt import GPTConfig
+
+    shape = shape_of(GPTConfig(n_layer=2, n_head=4, n_embd=256, vocab_size=50_000, block_size=64), 1, 64, "float32")
+    kw = dict(n_micro=2, alpha=0.0, schedule="vertical", workers=2)
+    cpu, ssd = host_memory(shape, **kw), host_memory(shape, **kw, resident_on_ssd=True)
+    assert shape.resident_params > resident_chunk(shape.resident_params)
+    assert cpu.fixed_bytes - ssd.fixed_bytes == shape.resident_params * 16 - 16 * resident_chunk(shape.resident_params)
+    assert cpu.per_share == ssd.per_share
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first,second", [("ssd", "cpu"), ("cpu", "ssd"), ("ssd", "ssd")])
+async def test_checkpoints_resume_bitwise_across_cpu_and_ssd(tmp_path, small_chunks, first, second):
+    data = batches(4, 4)
+
+    def cfg(where, resident):
+        return SnakeConfig(micro_batches=2, offload_dir=where, placement=MIXED, alpha=0.3, device="cpu",
+                           resident_optimizer=resident)
+
+    # rows of 48 elements: chunks of 1024 start and end inside rows (the load reads rows)
+    async with SnakeTrainer(tiny_gpt(n_layer=3, n_embd=48, bias=False), data=data,
+                            config=cfg(tmp_path / "a", "cpu")) as t:
+        await t.run(4)
+        want = await t.state_dict()
+    async with SnakeTrainer(tiny_gpt(n_layer=3, n_embd=48, bias=False), data=data,
+                            config=cfg(tmp_path / "b", first)) as t:
+        await t.run(2)
+        await t.save(tmp_path / "ckpt")
+    async with SnakeTrainer(tiny_gpt(n_layer=3, n_embd=48, bias=False, seed=5), data=data,
+                            config=cfg(tmp_path / "c", second)) as t:
+        await t.load(tmp_path / "ckpt")
+        await t.run(2)
+        got = await t.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_saved_before_the_first_step_holds_the_model(tmp_path, small_chunks):
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(3, 4)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "a", placement=MIXED, alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await t.run(1)
+        await t.save(tmp_path / "ckpt")
+        await t.run(1)
+        want = await t.state_dict()
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False, seed=3), data=data,
+                            config=dataclasses.replace(cfg, offload_dir=tmp_path / "b")) as t:
+        await t.load(tmp_path / "ckpt")
+        await t.run(1)
+        got = await t.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_bad_value_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="resident_optimizer.*'ssd'"):
+        SnakeConfig(offload_dir=tmp_path, resident_optimizer="nvme")
+
+
+def _profile(cpu_bytes: float):
+    from planner.profile import MachineProfile, shape_of
+    from snake.models.gpt import GPTConfig
+
+    shape = shape_of(GPTConfig(n_layer=8, n_head=4, n_embd=256, vocab_size=200_000, block_size=64), 4, 64,
+                     "float32")
+    return MachineProfile(
+        fwd_seconds=2e-3, bwd_seconds=4e-3, recompute_seconds=2e-3, pre_post_seconds=5e-3,
+        h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, ssd_read_bytes_per_s=1e9, ssd_write_bytes_per_s=1e9,
+        adam_elems_per_s=1e9, cpu_memory_bytes=cpu_bytes, device_memory_bytes=8e9, shape=shape, device="cuda",
+    )
+
+
+def test_planner_puts_the_resident_state_on_ssd_only_where_it_must():
+    from planner.search import search
+    from planner.solve import Infeasible, Plan, predict, resident_ssd_seconds
+
+    roomy = _profile(16e9)
+    plan = search(roomy, resident=None)
+    assert isinstance(plan, Plan) and plan.resident_optimizer == "cpu"  # the SSD's traffic costs time
+    r = roomy.shape.resident_params
+    assert r * 16 > 0.8e9  # the embedding's state, 0.82 GB of the ~1 GB a tight budget leaves
+    # a budget the layers fit in with everything on SSD, but not with the resident state in memory
+    tight = _profile(host_memory(roomy.shape, n_micro=1, alpha=0.0, schedule="vertical", workers=2,
+                                 grad_staging=True).at(0, 0, 0) - r * 8)
+    fixed_cpu = search(tight, resident="cpu")
+    assert isinstance(fixed_cpu, Infeasible) and "resident_optimizer='ssd'" in fixed_cpu.message
+    chosen = search(tight, resident=None)
+    assert isinstance(chosen, Plan) and chosen.resident_optimizer == "ssd"
+    assert chosen.host_memory_bytes <= tight.cpu_memory_bytes
+    # its time: the layers' plus the state's read and write at the iteration's end
+    extra = resident_ssd_seconds(tight)
+    assert extra == pytest.approx(2 * r * OPT_BYTES_PER_ELEM / 1e9)
+    base = predict(tight, chosen.n_micro, chosen.placement, chosen.alpha, "vertical")
+    assert chosen.predicted_iteration_seconds == pytest.approx(base + extra)
+    assert predict(tight, chosen.n_micro, chosen.placement, chosen.alpha, "vertical", "ssd") == pytest.approx(
+        base + extra)
+    assert chosen.ssd_bytes_per_iteration >= 2 * r * OPT_BYTES_PER_ELEM
+
+
+@pytest.mark.asyncio
+async def test_trainer_plans_ssd_under_a_budget_the_cpu_state_does_not_fit(tmp_path, small_chunks):
+    """resident_optimizer=None: the planner's choice reaches the trainer, and training runs."""
+    from planner.profile import shape_of_parts
+    from snake.adapters import describe
+    from snake.memory import placement_bytes
+
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(2, 4)
+    shape = shape_of_parts(describe(model), 4, 16, "float32")
+    kw = dict(n_micro=1, alpha=0.0, schedule="vertical", workers=2, device_type="cpu")
+
+    def least(on_ssd):  # the smallest footprint: linear in the shares, so at a corner
+        return min(placement_bytes(shape, **kw, param=p, ckpt=c, opt=o, resident_on_ssd=on_ssd)
+                   for p in (0.0, 1.0) for c in (0.0, 1.0) for o in (0.0, 1.0))
+
+    ssd_need, cpu_need = least(True), least(False)
+    assert cpu_need > ssd_need
+    budget = int((ssd_need + cpu_need) / 2)
+    cfg = SnakeConfig(micro_batches=1, offload_dir=tmp_path, placement=None, alpha=0.0, device="cpu",
+                      cpu_memory_bytes=budget, resident_optimizer=None)
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(1), 120)
+        assert t.config.resident_optimizer == "ssd"
+        assert "resident" in t.engine.stores
+
+
+@pytest.mark.asyncio
+async def test_a_fixed_placement_over_the_budget_names_resident_optimizer(tmp_path):
+    model = tiny_gpt(n_layer=2, bias=False)
+    cfg = SnakeConfig(micro_batches=1, offload_dir=tmp_path, placement=Placement.all_ssd(), alpha=0.0, device="cpu",
+                      cpu_memory_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="resident_optimizer='ssd'"):
+        async with SnakeTrainer(model, data=batches(1, 4), config=cfg) as t:
+            await t.run(1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("faults,match", [
+    (StorageFaults(seed=1, read_error=1.0), "Input/output error"),
+    (StorageFaults(seed=2, no_space=1.0), "disk is full"),
+    (StorageFaults(seed=3, flip=1.0), "checksum mismatch"),
+])
+async def test_storage_faults_in_the_resident_step_fail_cleanly(tmp_path, small_chunks, faults, match):
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(6, 4)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=MIXED, alpha=0.3, device="cpu",
+                      stall_timeout_s=5.0, resident_optimizer="ssd")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await trainer.run(1)
+        await trainer.save(tmp_path / "ckpt")
+        inject_storage(trainer.engine.stores["resident"].file, faults)
+        with pytest.raises(ActorFailed) as e:
+            await asyncio.wait_for(trainer.run(2), 30)
+    assert e.value.actor == "compute", e.value
+    assert isinstance(e.value.__cause__, StorageError) and "resident.bin" in str(e.value.__cause__)
+    assert match in str(e.value)
+    assert not _snake_threads() and not _bin_fds()
+    assert not (tmp_path / "off" / "resident.bin").exists()
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False, seed=4), data=data,
+                            config=dataclasses.replace(cfg, offload_dir=tmp_path / "off2")) as t2:
+        await t2.load(tmp_path / "ckpt")
+        await asyncio.wait_for(t2.run(1), 30)
+
+
+@pytest.mark.asyncio
+async def test_disk_preflight_counts_the_resident_file(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    model = tiny_gpt(n_layer=2, bias=False)
+    usage = namedtuple("usage", "total used free")
+    cfg = SnakeConfig(micro_batches=1, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    # room for nothing: the layers' shares are all in CPU memory, so only the resident file asks for disk
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 4096))
+    with pytest.raises(ConfigError, match="offload_dir.*SSD tier needs"):
+        async with SnakeTrainer(model, data=batches(1, 4), config=cfg) as t:
+            await t.run(1)
+    async with SnakeTrainer(model, data=batches(1, 4), config=dataclasses.replace(cfg, resident_optimizer="cpu")) as t:
+        await asyncio.wait_for(t.run(1), 60)
+
+
+def test_adamw_in_chunks_of_1024_multiples_is_the_whole_step_bitwise():
+    """What the chunked resident step rests on: `adamw_step` over pieces cut at multiples of
+    1024 elements gives the whole tensor's result, bit for bit, over several steps."""
+    from snake.config import AdamW
+    from snake.optim import adamw_step
+
+    n = 100_003  # a remainder past the last full vector
+
+    def run(cuts):
+        g = torch.Generator().manual_seed(0)
+        p, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
+        for step in range(1, 6):
+            grad = torch.randn(n, generator=g)
+            for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+                adamw_step([p[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], step=step, opt=AdamW(weight_decay=0.1))
+        return p, m, v
+
+    whole = run([])
+    for got, want in zip(run(list(range(4096, n, 4096))), whole, strict=True):
+        assert torch.equal(got, want)
+
+
+def _maps() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.asyncio
+async def test_save_reads_the_state_into_a_file_mapping_not_into_memory(tmp_path, small_chunks, monkeypatch):
+    """A save of the state on SSD goes through a shared mapping of an unlinked scratch file in
+    offload_dir (pages the kernel may write back and drop), which is gone afterwards."""
+    from snake import kernels
+
+    seen = []
+    real = kernels.Kernels.resident_snapshot
+
+    def spy(self, directory):
+        out = real(self, directory)
+        maps = _maps()
+        seen.append(("resident-save.bin (deleted)" in maps, directory, [p.name for p in directory.iterdir()]))
+        return out
+
+    monkeypatch.setattr(kernels.Kernels, "resident_snapshot", spy)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=MIXED, alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=cfg) as t:
+        await t.run(1)
+        await t.save(tmp_path / "ckpt")
+    assert len(seen) == 1
+    mapped, directory, names = seen[0]
+    assert mapped and directory == (tmp_path / "off").resolve() and "resident-save.bin" not in names
+    assert "resident-save.bin (deleted)" not in _maps()  # unmapped with the tensors
+
+
+@pytest.mark.asyncio
+async def test_bfloat16_and_a_frozen_embedding(tmp_path, small_chunks):
+    """bf16 compute: the device copies are cast from the chunks as from the whole masters
+    (bitwise); and with every resident parameter frozen there is nothing to store or stage."""
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(3, 4)
+    kw = dict(micro_batches=2, placement=MIXED, alpha=0.3, dtype="bfloat16")
+    got, _, _ = await train(model, data, 3, offload_dir=tmp_path / "a", resident_optimizer="ssd", **kw)
+    cpu, _, _ = await train(model, data, 3, offload_dir=tmp_path / "b", **kw)
+    for k in cpu:
+        assert torch.equal(got[k], cpu[k]), k
+    frozen = tiny_gpt(n_layer=2, bias=False)
+    for name, p in frozen.named_parameters():
+        p.requires_grad_(name.startswith("blocks."))
+    want = reference(frozen, data, 2)[0]
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "c", placement=MIXED, alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    async with SnakeTrainer(frozen, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(3), 60)
+        assert t.engine.stores["resident"].file is None and t.engine.kernels.res_stage is None
+        state = await t.state_dict()
+    assert_close_state({k: state[k] for k in want}, want)
