@@ -11,20 +11,25 @@ Reports the process's anonymous memory (RssAnon) at its peak over the run, sampl
 20 ms, above what it had before the model was built, and its growth during a `save()` after
 the run; the seconds of each step after the first; the SSD bytes of the last step (the trainer's traffic); and the losses, which must be
 the same both ways. Writes benchmarks/results/<--name>.json.
+
+--base REV: a third way, the state on SSD with REV's snake (a temporary git worktree), for an
+A/B of the resident step itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from common import ROOT, SCRATCH, machine, save  # type: ignore[import-not-found]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _anon_kib() -> int:
@@ -76,8 +81,10 @@ def child(way: str, vocab: int, width: int, steps: int, offload: str) -> None:
     done.set()
     sampler.join()
     ssd = sum(v for (src, dst, _kind), v in traffic.items() if "ssd" in (src, dst))
+    import snake
+
     print(json.dumps({
-        "way": way, "losses": losses, "step_s": step_s, "anon_peak_mib": (saving["run_peak"] - base) / 1024,
+        "way": way, "snake": snake.__file__, "losses": losses, "step_s": step_s, "anon_peak_mib": (saving["run_peak"] - base) / 1024,
         "save_anon_growth_mib": (saving["peak"] - saving["before"]) / 1024,
         "ssd_bytes_last_step": ssd, "resident_params": resident,
         "layer_params": sum(p.numel() for p in model.blocks.parameters()),
@@ -91,37 +98,59 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="resident_ssd", help="results/<name>.json")
+    ap.add_argument("--base", default=None, metavar="REV",
+                    help="also run the state on SSD with this revision's snake (a git worktree), for an A/B")
     ap.add_argument("--child", nargs=2, metavar=("WAY", "OFFLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child[0], args.vocab, args.width, args.steps, args.child[1])
         return
+    from ab import base_worktree  # type: ignore[import-not-found]
+    from common import SCRATCH, machine, save  # type: ignore[import-not-found]
+
+    with contextlib.ExitStack() as stack:
+        trees = {"cpu": ROOT, "ssd": ROOT}
+        if args.base:
+            base, worktree = stack.enter_context(base_worktree(args.base))
+            trees[f"ssd@{base}"] = worktree
+        runs = _rounds(args, trees, SCRATCH)
+    _report(args, runs, machine, save)
+
+
+def _rounds(args: argparse.Namespace, trees: dict[str, Path], scratch: Path) -> list[dict]:
+    """Every way once per round, in fresh processes, the order reversed every other round."""
     runs = []
     for r in range(args.rounds):
-        for way in ("cpu", "ssd") if r % 2 == 0 else ("ssd", "cpu"):
-            off = SCRATCH / f"resident-{way}-{r}"
+        for way in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+            off = scratch / f"resident-{way}-{r}"
+            tree = trees[way]
             out = subprocess.run(
-                [sys.executable, __file__, "--child", way, str(off), "--vocab", str(args.vocab),
+                [sys.executable, __file__, "--child", way.split("@")[0], str(off), "--vocab", str(args.vocab),
                  "--width", str(args.width), "--steps", str(args.steps)],
-                cwd=ROOT, capture_output=True, text=True, timeout=900,
+                cwd=tree, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(tree)},
             )
             if out.returncode:
                 raise SystemExit(f"{way}: {out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            row["round"] = r
+            assert Path(row["snake"]).resolve().is_relative_to(tree.resolve()), row["snake"]  # the tree's own snake
+            row["way"], row["round"] = way, r
             runs.append(row)
-            print(f"round {r} resident on {way}: anon peak +{row['anon_peak_mib']:5.0f} MiB (save "
+            print(f"round {r} resident on {way:11s}: anon peak +{row['anon_peak_mib']:5.0f} MiB (save "
                   f"+{row['save_anon_growth_mib']:4.0f} MiB)  steps "
                   f"{[round(s, 2) for s in row['step_s'][1:]]} s  SSD last step {row['ssd_bytes_last_step'] / 2**20:.0f} "
                   f"MiB  losses {[round(x, 4) for x in row['losses']]}", flush=True)
-    by = {w: [x for x in runs if x["way"] == w] for w in ("cpu", "ssd")}
+    return runs
+
+
+def _report(args: argparse.Namespace, runs: list[dict], machine, save) -> None:  # type: ignore[no-untyped-def]
+    by = {w: [x for x in runs if x["way"] == w] for w in dict.fromkeys(x["way"] for x in runs)}
     same = all(x["losses"] == runs[0]["losses"] for x in runs)
     step = {w: statistics.median(s for x in by[w] for s in x["step_s"][1:]) for w in by}
     summary = {
         "resident_params": runs[0]["resident_params"], "layer_params": runs[0]["layer_params"],
         "anon_peak_mib": {w: [round(x["anon_peak_mib"]) for x in by[w]] for w in by},
         "save_anon_growth_mib": {w: [round(x["save_anon_growth_mib"]) for x in by[w]] for w in by},
-        "median_step_s": step, "ssd_over_cpu_step": step["ssd"] / step["cpu"],
+        "median_step_s": step, "over_cpu_step": {w: step[w] / step["cpu"] for w in step},
         "extra_ssd_bytes_per_step": statistics.median(x["ssd_bytes_last_step"] for x in by["ssd"])
         - statistics.median(x["ssd_bytes_last_step"] for x in by["cpu"]),
         "same_losses": same,

@@ -154,6 +154,7 @@ class Engine:
             self.close_files()
             self.kernels.restore_modes()
             raise
+        k.res_io = self.executors["io"]  # the resident state's transfers, where it is on SSD
         self.marks = stream_marks(device)
 
     def _make_executors(self, device: torch.device, config: SnakeConfig, data_executor: ThreadPoolExecutor) -> None:

@@ -17,6 +17,8 @@ import errno
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import torch
@@ -208,7 +210,9 @@ class Kernels:
         self.res_on_ssd = config.resident_optimizer == "ssd"
         self.res_store: TierStore | None = None
         self.res_units: list[list[Unit]] = []  # per resident parameter, its chunks in the store
-        self.res_stage: HostBuffer | None = None  # one chunk's master, m and v
+        self.res_stages: list[HostBuffer] = []  # two chunks' master, m and v (the step's pipeline)
+        self.res_stage: HostBuffer | None = None  # the first of them (saves, loads)
+        self.res_io: Executor | None = None  # the SSD threads the step's transfers run on (the engine's)
         self.res_gstage: torch.Tensor | None = None  # one chunk's gradient on the host
         self._res_initial = [p for _, p in res] if self.res_on_ssd else []  # written to the store once
         self.res_master = [] if self.res_on_ssd else [
@@ -561,25 +565,51 @@ class Kernels:
                 for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
                     dev.copy_(master.view(shape))
         else:
-            store, buf, gbuf = self.res_store, self.res_stage, self.res_gstage
-            with torch.no_grad():
-                for i in on:
-                    assert buf is not None and gbuf is not None
-                    dev = self.res_dev[i].view(-1)
-                    for u, a in self._chunks(i):
-                        store.read_tail(u, buf)
-                        t = store.tail(u, buf)
-                        g = gbuf[: u.n]
-                        g.copy_(self.res_grad[i][a : a + u.n])
-                        adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - self.res_skips[i], opt=self.opt)
-                        store.write_tail(u, buf)
-                        dev[a : a + u.n].copy_(t[0])
-                        moved += 2 * store.tail_bytes(u)
+            moved = self._resident_step_ssd(on, step)
         self.res_got = [False] * len(self.res_got)
         for g in self.res_grad:
             g.zero_()
         synchronize(self.device)
         return moved
+
+    def _resident_step_ssd(self, on: list[int], step: int) -> int:
+        """The resident step with the state on SSD, chunk after chunk of the parameters `on`,
+        pipelined over two staging buffers: the next chunk is read (on `res_io`, the SSD
+        threads) while this one is stepped, and each chunk is written back while the next
+        is stepped. Every transfer has ended when it returns or raises."""
+        store, gbuf = self.res_store, self.res_gstage
+        chunks = [(i, u, a) for i in on for u, a in self._chunks(i)]
+        if not chunks:
+            return 0
+        assert store is not None and gbuf is not None and self.res_io is not None
+        io, bufs = self.res_io, self.res_stages
+        writes: list[Future[None] | None] = [None, None]  # the last write from each buffer
+        pending: list[Future[None]] = []
+        try:
+            read = io.submit(store.read_tail, chunks[0][1], bufs[0])
+            pending.append(read)
+            with torch.no_grad():
+                for j, (i, u, a) in enumerate(chunks):
+                    buf = bufs[j % 2]
+                    read.result()
+                    if j + 1 < len(chunks):  # the next chunk into the other buffer, once its write is done
+                        other = writes[(j + 1) % 2]
+                        if other is not None:
+                            other.result()
+                        read = io.submit(store.read_tail, chunks[j + 1][1], bufs[(j + 1) % 2])
+                        pending.append(read)
+                    t = store.tail(u, buf)
+                    g = gbuf[: u.n]
+                    g.copy_(self.res_grad[i][a : a + u.n])
+                    adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - self.res_skips[i], opt=self.opt)
+                    self.res_dev[i].view(-1)[a : a + u.n].copy_(t[0])
+                    writes[j % 2] = w = io.submit(store.write_tail, u, buf)
+                    pending.append(w)
+            for f in pending:
+                f.result()
+        finally:  # a failure: the other transfers end before the buffers are used again
+            futures.wait(pending)
+        return 2 * sum(store.tail_bytes(u) for _, u, _ in chunks)
 
     def resident_sizes(self) -> list[tuple[tuple[str, int], int]]:
         """The resident-on-SSD store's units: each resident parameter in chunks of
@@ -598,7 +628,8 @@ class Kernels:
         self.res_units = [[store.unit((name, j)) for j in range(-(-s.numel() // c))]
                           for name, s in zip(self.res_names, self.res_shapes, strict=True)]
         if total:  # (every resident parameter frozen: nothing to stage)
-            self.res_stage = alloc_host(3 * c * 4, pin=pin)
+            self.res_stages = [alloc_host(3 * c * 4, pin=pin) for _ in range(2)]
+            self.res_stage = self.res_stages[0]
             self.res_gstage = alloc_host_tensor(c, torch.float32, pin=pin)
         self.res_store = store
         for i, p in enumerate(self._res_initial):

@@ -18,11 +18,12 @@ from snake.io.base import ALIGN
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPT_BYTES_PER_ELEM = 12  # fp32 master + Adam m + v
 # The resident (pre/post) optimizer state on SSD (`SnakeConfig.resident_optimizer="ssd"`) is
-# stepped in chunks of at most this many elements per parameter: one staging buffer holds a
-# chunk's master, m and v (read, stepped, written back), another its gradient. A multiple of
-# 1024, so every chunk starts at a 4 KiB boundary and the fused AdamW's vector remainder
-# falls where it falls for the whole tensor: the chunked step is bitwise the whole one.
-RESIDENT_CHUNK_ELEMS = 4 << 20
+# stepped in chunks of at most this many elements per parameter: two staging buffers hold a
+# chunk's master, m and v each (one read while the other's chunk is stepped and written
+# back), a third a chunk's gradient. A multiple of 1024, so every chunk starts at a 4 KiB
+# boundary and the fused AdamW's vector remainder falls where it falls for the whole tensor:
+# the chunked step is bitwise the whole one (tests/test_resident_ssd.py).
+RESIDENT_CHUNK_ELEMS = 2 << 20
 
 
 def resident_chunk(resident_params: int) -> int:
@@ -34,9 +35,9 @@ def resident_chunk(resident_params: int) -> int:
 def resident_host_bytes(resident_params: int, on_ssd: bool) -> int:
     """Host bytes of the resident optimizer state: in CPU memory its fp32 master, m and v
     and the gradients copied to the host for the step (16 bytes per element); on SSD the
-    two staging buffers (master, m, v and gradient of one chunk)."""
+    staging buffers (two chunks' master, m and v, one chunk's gradient)."""
     if on_ssd:
-        return 4 * resident_chunk(resident_params) * 4 if resident_params else 0
+        return 7 * resident_chunk(resident_params) * 4 if resident_params else 0
     return resident_params * (OPT_BYTES_PER_ELEM + 4)
 
 
