@@ -85,7 +85,7 @@ def child(way: str, vocab: int, width: int, steps: int, offload: str) -> None:
 
     print(json.dumps({
         "way": way, "snake": snake.__file__, "losses": losses, "step_s": step_s, "anon_peak_mib": (saving["run_peak"] - base) / 1024,
-        "save_anon_growth_mib": (saving["peak"] - saving["before"]) / 1024,
+        "save_anon_growth_mib": (saving["peak"] - saving["before"]) / 1024, "baseline_anon_mib": base / 1024,
         "ssd_bytes_last_step": ssd, "resident_params": resident,
         "layer_params": sum(p.numel() for p in model.blocks.parameters()),
     }))
@@ -114,7 +114,12 @@ def main() -> None:
             base, worktree = stack.enter_context(base_worktree(args.base))
             trees[f"ssd@{base}"] = worktree
         runs = _rounds(args, trees, SCRATCH)
-    _report(args, runs, machine, save)
+        # the disk as the planner's probe measures it, after the runs: what its time model
+        # charges the state on SSD per iteration (`planner.solve.resident_ssd_seconds`)
+        from planner.probes import ssd_bytes_per_s
+
+        read, write = ssd_bytes_per_s(SCRATCH, 1 << 30, None)
+    _report(args, runs, machine, save, (read, write))
 
 
 def _rounds(args: argparse.Namespace, trees: dict[str, Path], scratch: Path) -> list[dict]:
@@ -142,7 +147,8 @@ def _rounds(args: argparse.Namespace, trees: dict[str, Path], scratch: Path) -> 
     return runs
 
 
-def _report(args: argparse.Namespace, runs: list[dict], machine, save) -> None:  # type: ignore[no-untyped-def]
+def _report(args: argparse.Namespace, runs: list[dict], machine, save,  # type: ignore[no-untyped-def]
+            disk: tuple[float, float]) -> None:
     by = {w: [x for x in runs if x["way"] == w] for w in dict.fromkeys(x["way"] for x in runs)}
     same = all(x["losses"] == runs[0]["losses"] for x in runs)
     step = {w: statistics.median(s for x in by[w] for s in x["step_s"][1:]) for w in by}
@@ -154,6 +160,10 @@ def _report(args: argparse.Namespace, runs: list[dict], machine, save) -> None: 
         "extra_ssd_bytes_per_step": statistics.median(x["ssd_bytes_last_step"] for x in by["ssd"])
         - statistics.median(x["ssd_bytes_last_step"] for x in by["cpu"]),
         "same_losses": same,
+        "probe_read_write_bytes_per_s": disk,
+        # the planner's charge for the state on SSD against the measured difference
+        "predicted_extra_s": runs[0]["resident_params"] * 12 * (1 / disk[0] + 1 / disk[1]),
+        "measured_extra_s": {w: step[w] - step["cpu"] for w in step if w != "cpu"},
     }
     print(json.dumps(summary, indent=1))
     result = {"machine": machine(), "args": vars(args), "runs": runs, "summary": summary}

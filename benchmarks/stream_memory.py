@@ -94,6 +94,24 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     }))
 
 
+def save_llama(path: Path, layers: int, width: int) -> tuple[int, int]:
+    """A Llama-shaped model (random weights, 32 k vocabulary) saved in bfloat16, sharded, at
+    `path`; returns (its parameters, those of its layers)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=width, intermediate_size=width * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=width // 64, num_key_value_heads=width // 64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_layers = sum(p.numel() for p in model.model.layers.parameters())
+    model.save_pretrained(str(path), max_shard_size="500MB")
+    return n_params, n_layers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -108,21 +126,9 @@ def main() -> None:
         way, path, steps, offload, dtype = args.child
         child(way, path, int(steps), offload, dtype, args.frozen)
         return
-    import torch
-    import transformers
-
     with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks" / "results") as tmp:
-        cfg = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=args.width, intermediate_size=args.width * 11 // 4,
-            num_hidden_layers=args.layers, num_attention_heads=args.width // 64, num_key_value_heads=args.width // 64,
-        )
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-        n_params = sum(p.numel() for p in model.parameters())
-        n_layers = sum(p.numel() for p in model.model.layers.parameters())
         path = Path(tmp) / "model"
-        model.save_pretrained(str(path), max_shard_size="500MB")
-        del model
+        n_params, n_layers = save_llama(path, args.layers, args.width)
         print(f"model: {n_params / 1e6:.0f} M parameters ({n_layers / 1e6:.0f} M in {args.layers} layers), "
               f"bfloat16 on disk {sum(f.stat().st_size for f in path.glob('*.safetensors')) / 2**20:.0f} MiB", flush=True)
         runs = []
