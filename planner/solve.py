@@ -34,6 +34,7 @@ from snake.memory import (
     device_memory,
     host_memory,
     off_budget_bytes,
+    resident_host_bytes,
 )
 
 GiB = float(1 << 30)
@@ -140,7 +141,7 @@ def memory_check(
         return None
     extra = f" + {fmt_bytes(dev)} device working set on the CPU" if profile.device == "cpu" else ""
     extra += f" + {fmt_bytes(RUNTIME_OVERHEAD_BYTES)} runtime overhead"
-    resident = profile.shape.resident_params * (OPT_BYTES_PER_ELEM + 4)
+    resident = resident_host_bytes(profile.shape.resident_params, False, staged_grads=profile.device == "cuda")
     if not resident_on_ssd and resident:
         fix += f", resident_optimizer='ssd' (the embeddings' and head's optimizer state, {fmt_bytes(resident)} here)"
     return Infeasible(

@@ -42,7 +42,7 @@ from snake.adapters import (
 from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
-from snake.device import synchronize
+from snake.device import pin_host_memory, synchronize
 from snake.errors import StorageError
 from snake.memory import resident_chunk
 from snake.optim import adamw_step
@@ -213,10 +213,15 @@ class Kernels:
         self.res_stages: list[HostBuffer] = []  # two chunks' master, m and v (the step's pipeline)
         self.res_stage: HostBuffer | None = None  # the first of them (saves, loads)
         self.res_io: Executor | None = None  # the SSD threads the step's transfers run on (the engine's)
-        self.res_gstage: torch.Tensor | None = None  # one chunk's gradient on the host
+        # one chunk's gradient on the host: the state on SSD, or in CPU memory with a GPU
+        self.res_gstage: torch.Tensor | None = None
         self._res_initial = [p for _, p in res] if self.res_on_ssd else []  # written to the store once
         self.res_master = [] if self.res_on_ssd else [
             p.detach().to("cpu", torch.float32).clone().reshape(-1) for _, p in res]
+        res_total = sum(s.numel() for s in self.res_shapes)
+        if not self.res_on_ssd and device.type != "cpu" and res_total:
+            self.res_gstage = alloc_host_tensor(resident_chunk(res_total), torch.float32,
+                                                pin=pin_host_memory(device))
         self.res_m = [torch.zeros_like(p) for p in self.res_master]
         self.res_v = [torch.zeros_like(p) for p in self.res_master]
         self.res_dev = [
@@ -557,13 +562,14 @@ class Kernels:
             if not got:
                 self.res_skips[i] += 1
         moved = 0
-        if self.res_store is None:
-            grads = [g.to("cpu") for g in self.res_grad]
-            adamw_step([self.res_master[i] for i in on], [grads[i] for i in on], [self.res_m[i] for i in on],
+        if self.res_store is None and self.res_gstage is None:  # a CPU device: the gradients are host memory
+            adamw_step([self.res_master[i] for i in on], [self.res_grad[i] for i in on], [self.res_m[i] for i in on],
                        [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt)
             with torch.no_grad():
                 for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
                     dev.copy_(master.view(shape))
+        elif self.res_store is None:
+            self._resident_step_staged(on, step)
         else:
             moved = self._resident_step_ssd(on, step)
         self.res_got = [False] * len(self.res_got)
@@ -571,6 +577,26 @@ class Kernels:
             g.zero_()
         synchronize(self.device)
         return moved
+
+    def _resident_step_staged(self, on: list[int], step: int) -> None:
+        """The resident step with the state in CPU memory and the gradients on a GPU: each
+        parameter a chunk at a time through one pinned gradient buffer (a chunk's gradient
+        in, its master back out), not a pageable host copy of every gradient each iteration."""
+        gbuf = self.res_gstage
+        assert gbuf is not None
+        c = gbuf.numel()
+        with torch.no_grad():
+            for i in on:
+                n = self.res_shapes[i].numel()
+                dev = self.res_dev[i].view(-1)
+                for a in range(0, n, c):
+                    b = min(n, a + c)
+                    g = gbuf[: b - a]
+                    g.copy_(self.res_grad[i][a:b])
+                    master = self.res_master[i][a:b]
+                    adamw_step([master], [g], [self.res_m[i][a:b]], [self.res_v[i][a:b]],
+                               step=step - self.res_skips[i], opt=self.opt)
+                    dev[a:b].copy_(master)
 
     def _resident_step_ssd(self, on: list[int], step: int) -> int:
         """The resident step with the state on SSD, chunk after chunk of the parameters `on`,

@@ -32,13 +32,16 @@ def resident_chunk(resident_params: int) -> int:
     return max(1024, min(RESIDENT_CHUNK_ELEMS, -(-resident_params // 1024) * 1024))
 
 
-def resident_host_bytes(resident_params: int, on_ssd: bool) -> int:
+def resident_host_bytes(resident_params: int, on_ssd: bool, staged_grads: bool = True) -> int:
     """Host bytes of the resident optimizer state: in CPU memory its fp32 master, m and v
-    and the gradients copied to the host for the step (16 bytes per element); on SSD the
-    staging buffers (two chunks' master, m and v, one chunk's gradient)."""
+    (12 bytes per element) and, with `staged_grads` (a GPU: the gradients reach the host a
+    chunk at a time), one chunk's gradient buffer; on SSD the staging buffers (two chunks'
+    master, m and v, one chunk's gradient)."""
+    if not resident_params:
+        return 0
     if on_ssd:
-        return 7 * resident_chunk(resident_params) * 4 if resident_params else 0
-    return resident_params * (OPT_BYTES_PER_ELEM + 4)
+        return 7 * resident_chunk(resident_params) * 4
+    return resident_params * OPT_BYTES_PER_ELEM + (resident_chunk(resident_params) * 4 if staged_grads else 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,8 +150,9 @@ def host_memory(
     no checkpoint staging pools, so exact there, where the general model's bound on the
     pools (which a linear model cannot drop at share 1) would still charge a few units.
 
-    grad_staging: horizontal on CUDA also holds one pinned fp32 layer buffer that each
-    micro-batch's gradient is copied into before it is added to the layer's accumulator.
+    grad_staging (a CUDA device): horizontal also holds one pinned fp32 layer buffer that
+    each micro-batch's gradient is copied into before it is added to the layer's
+    accumulator, and the resident step stages its gradients a chunk at a time.
 
     resident_on_ssd: the resident optimizer state lives on SSD (`resident_host_bytes`)."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
@@ -179,7 +183,7 @@ def host_memory(
         per_share["param"] -= alpha * n * p * db
     else:
         grads = (n * p + (big if grad_staging else 0)) * 4
-    resident = resident_host_bytes(shape.resident_params, resident_on_ssd)
+    resident = resident_host_bytes(shape.resident_params, resident_on_ssd, staged_grads=grad_staging)
     # the streamed frozen parameters' CPU copies (none where they are mapped from a file)
     frozen = 0 if shape.layer_frozen_in_files else n * shape.layer_frozen_params * db
     fixed = tails + act_grads + grads + resident + frozen + 16 * ALIGN

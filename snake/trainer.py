@@ -376,7 +376,12 @@ class SnakeTrainer:
 
         from planner.profile import shape_of_parts
         from planner.solve import fmt_bytes
-        from snake.memory import device_memory, off_budget_bytes, placement_bytes
+        from snake.memory import (
+            device_memory,
+            off_budget_bytes,
+            placement_bytes,
+            resident_host_bytes,
+        )
 
         assert cfg.micro_batches is not None and cfg.placement is not None and cfg.alpha is not None
         m, p = cfg.micro_batches, cfg.placement
@@ -392,7 +397,7 @@ class SnakeTrainer:
         fix = ("use smaller CPU shares in placement (more on SSD), more micro-batches (smaller ones), shorter "
                "sequences, or placement=None to have the planner place the model in the memory there is"
                + ("; resident_optimizer='ssd' puts the embeddings' and head's optimizer state on SSD "
-                  f"({fmt_bytes(shape.resident_params * 16)} of CPU memory now)"
+                  f"({fmt_bytes(resident_host_bytes(shape.resident_params, False, kind == 'cuda'))} of CPU memory now)"
                   if cfg.resident_optimizer == "cpu" and shape.resident_params else ""))
         if need > have:
             other = off_budget_bytes(shape, n_micro=m, device_type=kind)

@@ -88,8 +88,9 @@ def test_infeasible_cpu_memory_names_resource_and_amount():
     assert r.message.startswith("CPU memory: need ") and "n=1" in r.message
     assert "have 1.00 GiB" in str(r)
     assert "runtime overhead" in r.message
-    need = host_memory(p.shape, n_micro=1, alpha=0.0, schedule="vertical", workers=2)
+    need = host_memory(p.shape, n_micro=1, alpha=0.0, schedule="vertical", workers=2, grad_staging=True)  # CUDA
     assert r.short_by == pytest.approx(need.fixed_bytes + RUNTIME_OVERHEAD_BYTES - 1 * GiB)
+    assert "resident_optimizer='ssd'" in r.message  # the state it holds in memory, and where it could go
 
 
 def test_infeasible_device_memory():
@@ -279,8 +280,9 @@ def test_checkpoints_all_in_cpu_use_their_exact_memory_model():
     only without those pools gets the all-in-CPU plan, charged exactly."""
     p = synthetic_profile(ssd_read_bytes_per_s=3e8)  # slow reads: checkpoints on SSD cost time
     n = 1
-    general = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2)
-    exact = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2, ckpt_in_cpu=True)
+    general = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2, grad_staging=True)
+    exact = host_memory(p.shape, n_micro=n, alpha=0.0, schedule="vertical", workers=2, ckpt_in_cpu=True,
+                        grad_staging=True)
     assert exact.at(1.0, 1.0, 0.0) < general.at(1.0, 1.0, 0.0)
     room = exact.at(1.0, 1.0, 0.0) + 0.25 * exact.per_share["opt"]  # params, checkpoints, 1/4 of opt
     tight = dataclasses.replace(p, cpu_memory_bytes=room + LP.off_budget(p, n))
@@ -301,10 +303,14 @@ def test_checkpoints_all_in_cpu_use_their_exact_memory_model():
 def test_horizontal_on_cuda_charges_its_gradient_staging_buffer():
     """On CUDA horizontal copies each micro-batch's gradient into one pinned fp32 layer buffer
     before adding it to the layer's accumulator: the memory model and the planner count it,
-    on CUDA and for horizontal only."""
+    on CUDA and for horizontal only. Both schedules stage the resident step's gradients
+    through one chunk buffer there."""
+    from snake.memory import resident_chunk
+
     p = synthetic_profile(cpu_memory_bytes=1 * GiB)
     layer_fp32 = p.shape.layer_params * 4
-    for schedule, extra in (("horizontal", layer_fp32), ("vertical", 0)):
+    chunk = resident_chunk(p.shape.resident_params) * 4
+    for schedule, extra in (("horizontal", layer_fp32 + chunk), ("vertical", chunk)):
         with_ = host_memory(p.shape, n_micro=2, alpha=0.0, schedule=schedule, workers=2, grad_staging=True)
         without = host_memory(p.shape, n_micro=2, alpha=0.0, schedule=schedule, workers=2)
         assert with_.fixed_bytes - without.fixed_bytes == extra
