@@ -239,7 +239,10 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
             torch.cuda.set_rng_state_all(cuda_rng)
     trim_heap()
     if isinstance(plan, Infeasible):
-        raise ConfigError("placement", None, f"cannot be planned: {plan.message}")
+        # the field left to the planner (the first of them)
+        name = next(n for n in ("placement", "micro_batches", "alpha", "resident_optimizer")
+                    if getattr(config, n) is None)
+        raise ConfigError(name, None, f"cannot be planned: {plan.message}")
     return apply_plan(config, plan)
 
 

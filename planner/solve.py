@@ -119,9 +119,11 @@ def host_budget(profile: MachineProfile, n_micro: int) -> tuple[float, float]:
 
 def memory_check(
     profile: MachineProfile, mem: LinearMemory, n_micro: int, placement: Placement | None,
-    resident_on_ssd: bool = False,
+    hint_ssd: bool = False,
 ) -> Infeasible | None:
-    """Infeasible when even the smallest host footprint (or the fixed placement) is over."""
+    """Infeasible when even the smallest host footprint (or the fixed placement) is over.
+    hint_ssd: the resident optimizer state was in CPU memory, and SSD was not tried: the fix
+    names resident_optimizer='ssd'."""
     budget, dev = host_budget(profile, n_micro)
     if profile.device == "cuda" and dev > profile.device_memory_bytes:
         short = dev - profile.device_memory_bytes
@@ -142,7 +144,7 @@ def memory_check(
     extra = f" + {fmt_bytes(dev)} device working set on the CPU" if profile.device == "cpu" else ""
     extra += f" + {fmt_bytes(RUNTIME_OVERHEAD_BYTES)} runtime overhead"
     resident = resident_host_bytes(profile.shape.resident_params, False, staged_grads=profile.device == "cuda")
-    if not resident_on_ssd and resident:
+    if hint_ssd and resident:
         fix += f", resident_optimizer='ssd' (the embeddings' and head's optimizer state, {fmt_bytes(resident)} here)"
     return Infeasible(
         resource="cpu_memory", short_by=need - budget, unit="bytes",
@@ -295,11 +297,11 @@ def solve(
     _check(alpha, n_micro, schedule)
     if resident not in ("cpu", "ssd", None):
         raise ValueError(f"resident={resident!r} must be 'cpu', 'ssd' or None")
-    if resident is not None:
+    if resident is not None:  # a short plan with the state in memory suggests SSD
         return _solve(profile, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                      placement=placement, resident_on_ssd=resident == "ssd")
+                      placement=placement, resident_on_ssd=resident == "ssd", hint=resident == "cpu")
     cpu, ssd = (_solve(profile, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                       placement=placement, resident_on_ssd=on) for on in (False, True))
+                       placement=placement, resident_on_ssd=on, hint=False) for on in (False, True))
     if isinstance(cpu, Infeasible):
         return ssd if isinstance(ssd, Plan) or ssd.short_by < cpu.short_by else cpu
     if isinstance(ssd, Plan) and ssd.predicted_iteration_seconds < cpu.predicted_iteration_seconds * (1 - 1e-9):
@@ -309,7 +311,7 @@ def solve(
 
 def _solve(
     profile: MachineProfile, *, n_micro: int, alpha: float, schedule: str, workers: int,
-    placement: Placement | None, resident_on_ssd: bool,
+    placement: Placement | None, resident_on_ssd: bool, hint: bool,
 ) -> Plan | Infeasible:
     staging = profile.device == "cuda"  # horizontal's pinned gradient staging buffer
     mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
@@ -337,9 +339,9 @@ def _solve(
 
     if placement is not None:
         m = mem_ckpt if placement.ckpt >= 1.0 else mem
-        short = memory_check(profile, m, n_micro, placement, resident_on_ssd)
+        short = memory_check(profile, m, n_micro, placement, hint)
         return short if short is not None else needed(solved(m, placement, False))
-    short = memory_check(profile, mem, n_micro, None, resident_on_ssd)
+    short = memory_check(profile, mem, n_micro, None, hint)
     if short is not None and short.resource != "cpu_memory":
         return short
     plans = [needed(solved(mem, None, False))] if short is None else []

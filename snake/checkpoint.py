@@ -665,7 +665,7 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
     # the state on SSD: read into a mapping of a scratch file, not into the process's memory
     snap = None
     if e is not None and e.kernels.res_store is not None:
-        snap = e.kernels.resident_snapshot(e.kernels.res_store.file.path.parent)  # type: ignore[union-attr]
+        snap = e.kernels.resident_snapshot(e.offload_dir)
     for i, (name, p) in enumerate(resident_named_params(parts)):
         if snap is not None:
             comps = snap[i]

@@ -80,6 +80,7 @@ class Engine:
         self.workers = config.optimizer_workers
         self.pin = pin_host_memory(device)
         self.tracer = tracer
+        self.offload_dir = offload_dir
         self.traffic = Traffic(tracer)
         self.ledger = Ledger()
         self.kernels = k = Kernels(parts, config, device, self.M)
@@ -155,6 +156,7 @@ class Engine:
             self.kernels.restore_modes()
             raise
         k.res_io = self.executors["io"]  # the resident state's transfers, where it is on SSD
+        k.res_progress = tracer.progress
         self.marks = stream_marks(device)
 
     def _make_executors(self, device: torch.device, config: SnakeConfig, data_executor: ThreadPoolExecutor) -> None:

@@ -213,6 +213,7 @@ class Kernels:
         self.res_stages: list[HostBuffer] = []  # two chunks' master, m and v (the step's pipeline)
         self.res_stage: HostBuffer | None = None  # the first of them (saves, loads)
         self.res_io: Executor | None = None  # the SSD threads the step's transfers run on (the engine's)
+        self.res_progress: Callable[[], None] | None = None  # called per chunk (the stall watchdog's)
         # one chunk's gradient on the host: the state on SSD, or in CPU memory with a GPU
         self.res_gstage: torch.Tensor | None = None
         self._res_initial = [p for _, p in res] if self.res_on_ssd else []  # written to the store once
@@ -631,6 +632,8 @@ class Kernels:
                     self.res_dev[i].view(-1)[a : a + u.n].copy_(t[0])
                     writes[j % 2] = w = io.submit(store.write_tail, u, buf)
                     pending.append(w)
+                    if self.res_progress is not None:  # a long step is not a stall
+                        self.res_progress()
             for f in pending:
                 f.result()
         finally:  # a failure: the other transfers end before the buffers are used again
@@ -727,8 +730,11 @@ class Kernels:
         pages the kernel writes back and may drop, so a save does not hold the whole state
         in the process's own memory. The mapping lives as long as the tensors."""
         store, buf = self.res_store, self.res_stage
-        assert store is not None and buf is not None
+        assert store is not None
         total = sum(s.numel() for s in self.res_shapes)
+        if not total:  # every resident parameter frozen: nothing stored
+            return [(e, e, e) for e in (torch.empty(0),) * len(self.res_shapes)]
+        assert buf is not None
         path = directory / "resident-save.bin"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -31,8 +31,9 @@ async def _guarded(actor: Actor) -> None:
 async def _watchdog(
     engine: Engine, actors: list[Actor], mailboxes: list[Mailbox], tasks: list[asyncio.Task[None]], stall_s: float
 ) -> None:
-    """Fails the run when no actor finishes any work for `stall_s` seconds, blaming the
-    actor whose work in progress is oldest (else compute, which waits for its inputs)."""
+    """Fails the run when no actor finishes any work (nor reports progress inside one long
+    piece of it, `Tracer.progress`) for `stall_s` seconds, blaming the actor whose work in
+    progress is oldest (else compute, which waits for its inputs)."""
     done = asyncio.Event()
     left = [len(tasks)]
 
@@ -44,7 +45,7 @@ async def _watchdog(
     for t in tasks:
         t.add_done_callback(one_done)
     tracer = engine.tracer
-    mark, since = tracer.last_end_s, tracer.now()
+    mark, since = (tracer.last_end_s, tracer.last_progress_s), tracer.now()
     tick = min(1.0, stall_s / 4)
     while True:
         try:
@@ -52,8 +53,9 @@ async def _watchdog(
             return
         except TimeoutError:
             pass
-        if tracer.last_end_s != mark:
-            mark, since = tracer.last_end_s, tracer.now()
+        now_mark = (tracer.last_end_s, tracer.last_progress_s)
+        if now_mark != mark:
+            mark, since = now_mark, tracer.now()
             continue
         if tracer.now() - since < stall_s:
             continue

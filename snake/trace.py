@@ -48,6 +48,7 @@ class Tracer:
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._tracks: dict[str, int] = {}
         self.last_end_s = 0.0  # when the last span ended: progress, for the stall watchdog
+        self.last_progress_s = 0.0  # progress inside one long piece of work (`progress`)
         self.recorded = 0  # spans recorded (the oldest beyond max_spans are not kept)
         self._first_s: float | None = None
         self._busy: dict[str, float] = defaultdict(float)
@@ -95,6 +96,11 @@ class Tracer:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def progress(self) -> None:
+        """Any thread: a long piece of work (the resident step on SSD, chunk by chunk) has
+        made progress; the stall watchdog counts it as an actor's work ending."""
+        self.last_progress_s = self.now()
 
     @contextmanager
     def span(self, actor: str, name: str, *, link: str | None = None, bytes: int = 0) -> Iterator[None]:

@@ -403,3 +403,55 @@ async def test_state_in_memory_with_staged_gradients_is_bitwise_the_whole_step(t
     assert calls == [2, 3]
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.asyncio
+async def test_a_slow_step_that_progresses_is_not_a_stall(tmp_path, small_chunks):
+    """The step on SSD is one piece of the compute actor's work however long it takes; each
+    chunk it finishes counts as progress for the stall watchdog (`Tracer.progress`). Every
+    transfer of the resident file stalls 0.25 s, the step takes seconds, the watchdog 1 s."""
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0, device="cpu",
+                      stall_timeout_s=1.0, resident_optimizer="ssd")
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(3, 4), config=cfg) as t:
+        await t.run(1)
+        inject_storage(t.engine.stores["resident"].file, StorageFaults(seed=1, spike=1.0, spike_s=0.25))
+        report = await asyncio.wait_for(t.run(1), 60)
+    assert report.steps[0].seconds > 1.5  # longer than the watchdog's limit, as one piece of work
+
+
+@pytest.mark.asyncio
+async def test_every_resident_parameter_frozen_saves_and_loads(tmp_path, small_chunks):
+    """A LoRA-style model (embeddings and head frozen) with resident_optimizer="ssd": nothing
+    is stored, and a checkpoint saves and resumes."""
+    def model():
+        m = tiny_gpt(n_layer=2, bias=False)
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.startswith("blocks."))
+        return m
+
+    data = batches(3, 4)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "a", placement=MIXED, alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    async with SnakeTrainer(model(), data=data, config=cfg) as t:
+        await t.run(1)
+        await t.save(tmp_path / "ckpt")
+        await t.run(1)
+        want = await t.state_dict()
+    async with SnakeTrainer(model(), data=data, config=dataclasses.replace(cfg, offload_dir=tmp_path / "b")) as t:
+        await t.load(tmp_path / "ckpt")
+        await t.run(1)
+        got = await t.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.asyncio
+async def test_an_unplannable_resident_optimizer_is_the_field_named(tmp_path):
+    """Only resident_optimizer left to the planner, and nothing fits: the ConfigError names
+    that field, and does not suggest the SSD the planner already tried."""
+    cfg = SnakeConfig(micro_batches=2, placement=Placement.all_cpu(), alpha=0.0, offload_dir=tmp_path, device="cpu",
+                      resident_optimizer=None, cpu_memory_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="resident_optimizer=None cannot be planned") as e:
+        async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(2, 4), config=cfg) as t:
+            await t.run(1)
+    assert "resident_optimizer='ssd'" not in str(e.value)
