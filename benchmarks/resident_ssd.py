@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -134,6 +135,7 @@ def _rounds(args: argparse.Namespace, trees: dict[str, Path], scratch: Path) -> 
                  "--width", str(args.width), "--steps", str(args.steps)],
                 cwd=tree, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(tree)},
             )
+            shutil.rmtree(off, ignore_errors=True)  # its offload files and the checkpoint it saved
             if out.returncode:
                 raise SystemExit(f"{way}: {out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
