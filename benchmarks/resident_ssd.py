@@ -10,7 +10,8 @@ micro-batch of 1 x 64 tokens), in a fresh process per way and round, the ways al
 Reports the process's anonymous memory (RssAnon) at its peak over the run, sampled every
 20 ms, above what it had before the model was built, and its growth during a `save()` after
 the run; the seconds of each step after the first; the SSD bytes of the last step (the trainer's traffic); and the losses, which must be
-the same both ways. Writes benchmarks/results/<--name>.json.
+the same both ways. Last, how long a `run()` cancelled 50 ms into its resident step takes to
+return (`cancel_s`). Writes benchmarks/results/<--name>.json.
 
 --base REV: a third way, the state on SSD with REV's snake (a temporary git worktree), for an
 A/B of the resident step itself.
@@ -62,7 +63,7 @@ def child(way: str, vocab: int, width: int, steps: int, offload: str) -> None:
     resident = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
     g = torch.Generator().manual_seed(0)
     data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())
-            for x in (torch.randint(0, vocab, (1, 65), generator=g) for _ in range(steps))]
+            for x in (torch.randint(0, vocab, (1, 65), generator=g) for _ in range(steps + 1))]
     cfg = SnakeConfig(micro_batches=1, offload_dir=offload, placement=Placement.all_ssd(), alpha=0.0, device="cpu",
                       resident_optimizer=way)
 
@@ -76,6 +77,7 @@ def child(way: str, vocab: int, width: int, steps: int, offload: str) -> None:
             saving["before"] = peak[0] = _anon_kib()
             await trainer.save(Path(offload) / "ckpt")
             saving["peak"] = peak[0]
+            saving["cancel_s"] = await _cancel_in_resident_step(trainer)
         return [s.loss for s in report.steps], [s.seconds for s in report.steps], traffic
 
     losses, step_s, traffic = asyncio.run(go())
@@ -87,9 +89,28 @@ def child(way: str, vocab: int, width: int, steps: int, offload: str) -> None:
     print(json.dumps({
         "way": way, "snake": snake.__file__, "losses": losses, "step_s": step_s, "anon_peak_mib": (saving["run_peak"] - base) / 1024,
         "save_anon_growth_mib": (saving["peak"] - saving["before"]) / 1024, "baseline_anon_mib": base / 1024,
+        "cancel_s": saving["cancel_s"],
         "ssd_bytes_last_step": ssd, "resident_params": resident,
         "layer_params": sum(p.numel() for p in model.blocks.parameters()),
     }))
+
+
+async def _cancel_in_resident_step(trainer) -> float:  # type: ignore[no-untyped-def]
+    """Seconds from cancelling a run() 50 ms into its resident step until it returns."""
+    import time
+
+    loop, started = asyncio.get_running_loop(), asyncio.Event()
+    k = trainer.engine.kernels
+    real = k.resident_step
+    k.resident_step = lambda step: (loop.call_soon_threadsafe(started.set), real(step))[1]
+    task = asyncio.create_task(trainer.run(1))
+    await started.wait()
+    await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -145,7 +166,7 @@ def _rounds(args: argparse.Namespace, trees: dict[str, Path], scratch: Path) -> 
             print(f"round {r} resident on {way:11s}: anon peak +{row['anon_peak_mib']:5.0f} MiB (save "
                   f"+{row['save_anon_growth_mib']:4.0f} MiB)  steps "
                   f"{[round(s, 2) for s in row['step_s'][1:]]} s  SSD last step {row['ssd_bytes_last_step'] / 2**20:.0f} "
-                  f"MiB  losses {[round(x, 4) for x in row['losses']]}", flush=True)
+                  f"MiB  losses {[round(x, 4) for x in row['losses']]}  cancel {row['cancel_s']:.3f} s", flush=True)
     return runs
 
 
@@ -162,6 +183,7 @@ def _report(args: argparse.Namespace, runs: list[dict], machine, save,  # type: 
         "extra_ssd_bytes_per_step": statistics.median(x["ssd_bytes_last_step"] for x in by["ssd"])
         - statistics.median(x["ssd_bytes_last_step"] for x in by["cpu"]),
         "same_losses": same,
+        "cancel_s": {w: [round(x["cancel_s"], 3) for x in by[w]] for w in by},
         "probe_read_write_bytes_per_s": disk,
         # the planner's charge for the state on SSD against the measured difference
         "predicted_extra_s": runs[0]["resident_params"] * 12 * (1 / disk[0] + 1 / disk[1]),

@@ -14,18 +14,24 @@ from typing import Any, TypeVar
 R = TypeVar("R")
 
 
-async def run_blocking(executor: Executor, fn: Callable[..., R], *args: Any) -> R:
-    """Run `fn(*args)` on `executor`. If the awaiting task is cancelled, wait for the thread
-    to finish first (it cannot be interrupted, and it may be using a buffer the caller will
-    release), then re-raise the cancellation."""
-    return await wait_blocking(asyncio.get_running_loop().run_in_executor(executor, fn, *args))
+async def run_blocking(
+    executor: Executor, fn: Callable[..., R], *args: Any, on_cancel: Callable[[], None] | None = None
+) -> R:
+    """Run `fn(*args)` on `executor`. If the awaiting task is cancelled, call `on_cancel`
+    (which may ask long work to stop early), wait for the thread to finish (it cannot be
+    interrupted, and it may be using a buffer the caller will release), then re-raise the
+    cancellation."""
+    return await wait_blocking(asyncio.get_running_loop().run_in_executor(executor, fn, *args), on_cancel)
 
 
-async def wait_blocking(fut: asyncio.Future[R]) -> R:
-    """Await an executor future; if cancelled, first wait for its thread to finish."""
+async def wait_blocking(fut: asyncio.Future[R], on_cancel: Callable[[], None] | None = None) -> R:
+    """Await an executor future; if cancelled, call `on_cancel`, then wait for its thread
+    to finish."""
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
         await settle(fut)
         raise
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -157,6 +158,10 @@ class Engine:
             raise
         k.res_io = self.executors["io"]  # the resident state's transfers, where it is on SSD
         k.res_progress = tracer.progress
+        # set by an actor whose blocking work is cancelled (the run is being torn down):
+        # long work on the threads stops early instead of holding the teardown up
+        self.stop = threading.Event()
+        k.stop = self.stop
         self.marks = stream_marks(device)
 
     def _make_executors(self, device: torch.device, config: SnakeConfig, data_executor: ThreadPoolExecutor) -> None:

@@ -16,6 +16,7 @@ import copy
 import errno
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Executor, Future
@@ -43,7 +44,7 @@ from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
-from snake.errors import StorageError
+from snake.errors import SnakeError, StorageError
 from snake.memory import resident_chunk
 from snake.optim import adamw_step
 from snake.stores import TierStore, Unit
@@ -51,6 +52,11 @@ from snake.stores import TierStore, Unit
 log = logging.getLogger("snake")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepStopped(SnakeError):
+    """A chunked resident step left part-way because its run is being torn down. It never
+    reaches the user: the run's cancellation or first failure does, and the trainer closes."""
 
 
 class _Call(nn.Module):
@@ -214,6 +220,9 @@ class Kernels:
         self.res_stage: HostBuffer | None = None  # the first of them (saves, loads)
         self.res_io: Executor | None = None  # the SSD threads the step's transfers run on (the engine's)
         self.res_progress: Callable[[], None] | None = None  # called per chunk (the stall watchdog's)
+        # set when the run is being torn down (cancelled, or another actor failed): the
+        # chunked resident step stops at its next chunk instead of finishing (the engine's)
+        self.stop: threading.Event | None = None
         # one chunk's gradient on the host: the state on SSD, or in CPU memory with a GPU
         self.res_gstage: torch.Tensor | None = None
         self._res_initial = [p for _, p in res] if self.res_on_ssd else []  # written to the store once
@@ -591,6 +600,7 @@ class Kernels:
                 n = self.res_shapes[i].numel()
                 dev = self.res_dev[i].view(-1)
                 for a in range(0, n, c):
+                    self._check_stop()
                     b = min(n, a + c)
                     g = gbuf[: b - a]
                     g.copy_(self.res_grad[i][a:b])
@@ -617,6 +627,7 @@ class Kernels:
             pending.append(read)
             with torch.no_grad():
                 for j, (i, u, a) in enumerate(chunks):
+                    self._check_stop()
                     buf = bufs[j % 2]
                     read.result()
                     if j + 1 < len(chunks):  # the next chunk into the other buffer, once its write is done
@@ -639,6 +650,10 @@ class Kernels:
         finally:  # a failure: the other transfers end before the buffers are used again
             futures.wait(pending)
         return 2 * sum(store.tail_bytes(u) for _, u, _ in chunks)
+
+    def _check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise StepStopped("the resident step stopped part-way: the run is being cancelled or has failed")
 
     def resident_sizes(self) -> list[tuple[tuple[str, int], int]]:
         """The resident-on-SSD store's units: each resident parameter in chunks of

@@ -120,6 +120,7 @@ async def run_iterations(
     actors, mailboxes = build_actors(engine, source, iterations, reports, vocab=vocab, on_step=on_step)
     for a in actors:
         a.fault_hook = engine.fault_hook
+        a.on_cancel = engine.stop.set
     try:
         with engine.tracer.loop_clock():
             await _run_actors(engine, actors, mailboxes)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from snake import ActorFailed, ConfigError, Placement, SnakeConfig, SnakeTrainer
+from snake import ActorFailed, ConfigError, Placement, SnakeConfig, SnakeError, SnakeTrainer
 from snake.errors import StorageError
 from snake.faults import StorageFaults, inject_storage
 from snake.memory import (
@@ -455,3 +455,67 @@ async def test_an_unplannable_resident_optimizer_is_the_field_named(tmp_path):
         async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(2, 4), config=cfg) as t:
             await t.run(1)
     assert "resident_optimizer='ssd'" not in str(e.value)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_run_stops_the_step_on_ssd_at_its_next_chunk(tmp_path, small_chunks):
+    """Cancelling run() in the resident step on SSD does not wait for the rest of the step:
+    the engine's stop event (set as the compute actor's blocking work is cancelled) ends it
+    at its next chunk. Every transfer of the resident file stalls 0.2 s; of the step's
+    transfers (a read and a write per chunk) at most the ones in flight and one more start
+    after the cancellation, and the trainer closes with no thread or file left."""
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_cpu(), alpha=0.0, device="cpu",
+                      resident_optimizer="ssd")
+    model = tiny_gpt(n_layer=2, bias=False)
+    t = SnakeTrainer(model, data=batches(3, 4), config=cfg)
+    await t.run(1)
+    n_chunks = sum(len(units) for units in t.engine.kernels.res_units)
+    assert n_chunks >= 8
+    f = t.engine.stores["resident"].file
+    inject_storage(f, StorageFaults(seed=1, spike=1.0, spike_s=0.2))
+    inner = getattr(f, "inner", f)
+    calls: list[str] = []
+    loop, under_way = asyncio.get_running_loop(), asyncio.Event()  # only the step touches the resident file
+
+    def count(kind: str) -> None:
+        calls.append(kind)
+        if len(calls) == 3:
+            loop.call_soon_threadsafe(under_way.set)
+
+    real_r, real_w = inner._preadv, inner._pwritev
+    inner._preadv = lambda *a: (count("r"), real_r(*a))[1]
+    inner._pwritev = lambda *a: (count("w"), real_w(*a))[1]
+    task = asyncio.create_task(t.run(1))
+    await asyncio.wait_for(under_way.wait(), 30)
+    before = len(calls)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    after = len(calls) - before
+    assert after <= 3, (before, after, n_chunks)
+    assert len(calls) < 2 * n_chunks
+    with pytest.raises(SnakeError, match="closed|broken|unusable"):
+        await t.run(1)
+    await t.close()
+    assert not _snake_threads() and not _bin_fds()
+
+
+@pytest.mark.asyncio
+async def test_the_stop_event_ends_both_chunked_steps(tmp_path, small_chunks):
+    """With the engine's stop event set, the chunked resident steps (on SSD, and in memory
+    through the staged gradient buffer a GPU uses) raise StepStopped before their next chunk."""
+    from snake.buffers import alloc_host_tensor
+    from snake.kernels import StepStopped
+
+    kw = dict(micro_batches=2, placement=MIXED, alpha=0.0, device="cpu")
+    for resident in ("ssd", "cpu"):
+        cfg = SnakeConfig(offload_dir=tmp_path / resident, resident_optimizer=resident, **kw)
+        async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=cfg) as t:
+            await t.run(1)
+            k = t.engine.kernels
+            if resident == "cpu":
+                k.res_gstage = alloc_host_tensor(1024, torch.float32, pin=False)
+            step = k._resident_step_ssd if resident == "ssd" else k._resident_step_staged
+            t.engine.stop.set()
+            with pytest.raises(StepStopped):
+                step(list(range(len(k.res_shapes))), 2)

@@ -24,6 +24,9 @@ class Actor(abc.ABC):
         self.micro_batch: int | None = None
         self.busy: tuple[str, float] | None = None  # (label, start) of work in progress
         self.fault_hook: Callable[[str, str], Awaitable[None]] | None = None  # tests only
+        # called when the task is cancelled inside blocking work (the run is being torn
+        # down): the engine's stop event, which ends long work on the threads early
+        self.on_cancel: Callable[[], None] | None = None
 
     def at(self, iteration: int | None, layer: int | None = None, micro_batch: int | None = None) -> None:
         self.iteration, self.layer, self.micro_batch = iteration, layer, micro_batch
@@ -36,7 +39,7 @@ class Actor(abc.ABC):
         try:
             if self.fault_hook is not None:
                 await self.fault_hook(self.name, label)
-            return await run_blocking(executor, fn, *args)
+            return await run_blocking(executor, fn, *args, on_cancel=self.on_cancel)
         finally:
             self.busy = None
             self.tracer.add(self.name, label, start, self.tracer.now(), **span)
