@@ -112,6 +112,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
         raise SnakeError("save: a run(), save() or load() of this trainer is in progress; await it before saving")
     target = _resolve(directory)
     _check_save_target(target)  # before the delayed steps are flushed: a bad path changes nothing
+    _check_save_space(trainer, target)
     trainer._begin()
     try:
         e = trainer.engine
@@ -757,6 +758,54 @@ def _check_save_target(target: Path) -> None:
                     "pick a checkpoint path under a directory"
                 )
             return
+
+
+def checkpoint_bytes(parts: ModelParts) -> int:
+    """The tensor bytes of a checkpoint of `parts` (its files hold these plus small headers):
+    master, m and v in fp32 of every trained parameter, and the frozen ones as they are."""
+    trained = sum(s.numel() for spec in layer_specs(parts) for _, s in spec)
+    trained += sum(p.numel() for _, p in resident_named_params(parts))
+    frozen = sum(p.numel() * p.element_size() for _, p in parts.model.named_parameters() if not p.requires_grad)
+    return 3 * 4 * trained + frozen
+
+
+def _check_save_space(trainer: SnakeTrainer, target: Path) -> None:
+    """Before the delayed steps are flushed: refuse a save that cannot fit. The new
+    checkpoint is written whole before it replaces one already at `target` (that one still
+    takes its space); a leftover temporary directory of an earlier save is removed first. With
+    the resident optimizer state on SSD the save also reads it into a scratch file in the
+    offload_dir (`Kernels.resident_snapshot`), on the same disk or another. Only what
+    certainly does not fit is refused: the bytes counted are the tensors', not the headers'."""
+    disk = next(p for p in (target, *target.parents) if p.exists())
+    # per file system (st_dev): where, and what the save writes there
+    needs: dict[int, tuple[Path, list[tuple[str, int]]]] = {
+        disk.stat().st_dev: (disk, [("the checkpoint", checkpoint_bytes(trainer.parts))])}
+    e = trainer.engine
+    if e is not None and e.kernels.res_store is not None:
+        scratch = 3 * 4 * sum(s.numel() for s in e.kernels.res_shapes)
+        here = needs.setdefault(e.offload_dir.stat().st_dev, (e.offload_dir, []))
+        here[1].append(("a scratch copy of the resident optimizer state on SSD, in the offload_dir", scratch))
+    for dev, (path, what) in needs.items():
+        free = shutil.disk_usage(path).free
+        if dev == disk.stat().st_dev:  # an earlier save's leftovers go first
+            free += sum(_tree_bytes(p) for p in _siblings(target, "tmp"))
+        need = sum(n for _, n in what)
+        if need > free:
+            raise StorageError(
+                errno.ENOSPC,
+                f"save: {path} has {_fmt(free)} free but the save needs at least {_fmt(need)} there ("
+                + " and ".join(f"{w}, {_fmt(n)}" for w, n in what)
+                + "); nothing was changed (the delayed steps were not applied): free space there"
+                + (", or save to a disk with room" if dev == disk.stat().st_dev else ""),
+            )
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _check_replaceable(target: Path) -> None:
