@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -130,8 +131,10 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "missed_steps": missed_steps(e) if e is not None else {},
         }
         rng = rng_state()
+        stop = threading.Event()  # a cancelled save stops at its next file and removes what it wrote
         with _borrowed(e, "opt", every=True) as bufs:
-            await _blocking(e, functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target, bufs))
+            await _blocking(e, functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target, bufs, stop),
+                            on_cancel=stop.set)
     finally:
         trainer._end()
     return target
@@ -213,11 +216,11 @@ def _borrowed(e: Engine | None, pool: str, *, every: bool = False) -> Iterator[l
             p.release(buf)
 
 
-async def _blocking(e: Engine | None, fn: Callable[[], R]) -> R:
+async def _blocking(e: Engine | None, fn: Callable[[], R], on_cancel: Callable[[], None] | None = None) -> R:
     if e is not None:
-        return await run_blocking(e.executors["io"], fn)
+        return await run_blocking(e.executors["io"], fn, on_cancel=on_cancel)
     with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint", initializer=name_native_thread) as ex:
-        return await run_blocking(ex, fn)
+        return await run_blocking(ex, fn, on_cancel=on_cancel)
 
 
 # -- manifest ---------------------------------------------------------------------------
@@ -520,9 +523,14 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 # -- saving -----------------------------------------------------------------------------
+class SaveCancelled(SnakeError):
+    """A save whose task was cancelled stopped between two of its files (the task's
+    cancellation is what reaches the caller)."""
+
+
 def _save_blocking(
     e: Engine | None, parts: ModelParts, manifest: dict[str, Any], rng: dict[str, torch.Tensor], target: Path,
-    bufs: list[HostBuffer] | None = None,
+    bufs: list[HostBuffer] | None = None, stop: threading.Event | None = None,
 ) -> None:
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -540,9 +548,16 @@ def _save_blocking(
         else:
             read_model = _model_layer(parts)
             read_layer = lambda layer: layer_tensors(parts, layer, read_model(layer))  # noqa: E731
+        def check_stop() -> None:
+            if stop is not None and stop.is_set():
+                raise SaveCancelled(f"save to {target} cancelled; nothing was published")
+
         for layer in range(len(parts.blocks)):
+            check_stop()
             files[layer_file(layer)] = _write_tensors(tmp / layer_file(layer), read_layer(layer), meta)
+        check_stop()
         files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts), meta)
+        check_stop()
         files[RNG] = _write_tensors(tmp / RNG, {k: v.contiguous() for k, v in rng.items()}, meta)
         manifest = {**manifest, "files": files}
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())

@@ -225,6 +225,53 @@ async def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch
 
 
 @pytest.mark.asyncio
+async def test_a_cancelled_save_stops_at_its_next_file_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """Cancelling the task awaiting save() stops the save before its next file (each file
+    here takes 0.3 s to write): the layers after it are not written, its temporary directory
+    goes, the checkpoint there stays as it was, and the trainer goes on and saves again."""
+    import threading
+
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "c")) as t:
+            await t.run(2)
+            await t.save(where)
+            before = digest(where)
+            at_two = await t.state_dict()
+            await t.run(1)
+            real, written = ckpt._write_tensors, []
+            loop, first = asyncio.get_running_loop(), asyncio.Event()
+
+            def slow(path, tensors, meta):
+                written.append(path.name)
+                loop.call_soon_threadsafe(first.set)
+                threading.Event().wait(0.3)
+                return real(path, tensors, meta)
+
+            monkeypatch.setattr(ckpt, "_write_tensors", slow)
+            task = asyncio.create_task(t.save(where))
+            await first.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert written == [ckpt.layer_file(0)]  # three layers, the resident file and the RNG's
+            assert digest(where) == before
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == []
+            monkeypatch.setattr(ckpt, "_write_tensors", real)
+            await t.save(tmp_path / "ckpt3")
+            at_three = await t.state_dict()
+        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "d")) as t:
+            await t.load(where)
+            assert_equal_state(await t.state_dict(), at_two)
+        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "e")) as t:
+            await t.load(tmp_path / "ckpt3")
+            assert_equal_state(await t.state_dict(), at_three)
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
 async def test_crash_between_renames_is_recovered(tmp_path):
     """A kill after the old checkpoint went aside but before the new one came in: load
     says where the old one is, and the next save puts it back before replacing it."""
