@@ -68,7 +68,7 @@ from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
-from snake.errors import ConfigError, DataError, SnakeError, StorageError
+from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
 
 if TYPE_CHECKING:
     from snake.engine import Engine
@@ -189,9 +189,10 @@ async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any]
     check_resolved(trainer.config, manifest)
     e = trainer.engine
     assert e is not None
+    stop = threading.Event()  # a cancelled load stops at its next layer (the trainer closes either way)
     with _borrowed(e, "opt") as obuf, _borrowed(e, "param_in") as pbuf:
         rng = await run_blocking(e.executors["io"], apply_checkpoint, e, trainer.parts, target, manifest,
-                                 obuf[0] if obuf else None, pbuf[0] if pbuf else None)
+                                 obuf[0] if obuf else None, pbuf[0] if pbuf else None, stop, on_cancel=stop.set)
     set_rng_state(rng)
 
 
@@ -523,11 +524,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 # -- saving -----------------------------------------------------------------------------
-class SaveCancelled(SnakeError):
-    """A save whose task was cancelled stopped between two of its files (the task's
-    cancellation is what reaches the caller)."""
-
-
 def _save_blocking(
     e: Engine | None, parts: ModelParts, manifest: dict[str, Any], rng: dict[str, torch.Tensor], target: Path,
     bufs: list[HostBuffer] | None = None, stop: threading.Event | None = None,
@@ -550,7 +546,7 @@ def _save_blocking(
             read_layer = lambda layer: layer_tensors(parts, layer, read_model(layer))  # noqa: E731
         def check_stop() -> None:
             if stop is not None and stop.is_set():
-                raise SaveCancelled(f"save to {target} cancelled; nothing was published")
+                raise Stopped(f"save to {target} cancelled; nothing was published")
 
         for layer in range(len(parts.blocks)):
             check_stop()
@@ -936,15 +932,18 @@ def _spread(src: torch.Tensor, at: int, k: int, head: torch.Tensor, tail: torch.
 
 def apply_checkpoint(
     e: Engine, parts: ModelParts, target: Path, manifest: dict[str, Any],
-    obuf: HostBuffer | None = None, pbuf: HostBuffer | None = None,
+    obuf: HostBuffer | None = None, pbuf: HostBuffer | None = None, stop: threading.Event | None = None,
 ) -> dict[str, torch.Tensor]:
     """Blocking, on a freshly set-up engine: overwrite the optimizer and parameter units
-    (heads and tails), the resident state and the counters. Returns the RNG state."""
+    (heads and tails), the resident state and the counters. Returns the RNG state. Raises
+    Stopped before the next layer once `stop` is set (its task was cancelled)."""
     ostore, pstore = e.stores["opt"], e.stores["param"]
     obuf = obuf if obuf is not None else alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
     pbuf = pbuf if pbuf is not None else alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
     specs = layer_specs(parts)
     for layer in range(e.N):
+        if stop is not None and stop.is_set():
+            raise Stopped(f"load from {target} cancelled part-way")
         # unit by unit, each parameter's piece straight into the unit's head and staging
         # buffer (no copy of the layer's state: one parameter's tensor at a time)
         prefix = f"{parts.blocks_prefix}.{layer}."

@@ -36,6 +36,12 @@ class StorageError(SnakeError, OSError):
     """The SSD tier failed: the message names the file, the offset and the operation."""
 
 
+class Stopped(SnakeError):
+    """Blocking work (a chunked resident step, a save, a load) left part-way because the
+    task awaiting it was cancelled or its run is being torn down. It never reaches the
+    caller: the cancellation or the run's first failure does."""
+
+
 class StallError(SnakeError, TimeoutError):
     """No actor made progress for `stall_timeout_s`: something hangs (a disk that does not
     answer, a deadlock). The message says what each actor was doing."""

@@ -44,7 +44,7 @@ from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
-from snake.errors import SnakeError, StorageError
+from snake.errors import Stopped, StorageError
 from snake.memory import resident_chunk
 from snake.optim import adamw_step
 from snake.stores import TierStore, Unit
@@ -52,11 +52,6 @@ from snake.stores import TierStore, Unit
 log = logging.getLogger("snake")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class StepStopped(SnakeError):
-    """A chunked resident step left part-way because its run is being torn down. It never
-    reaches the user: the run's cancellation or first failure does, and the trainer closes."""
 
 
 class _Call(nn.Module):
@@ -653,7 +648,7 @@ class Kernels:
 
     def _check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
-            raise StepStopped("the resident step stopped part-way: the run is being cancelled or has failed")
+            raise Stopped("the resident step stopped part-way: the run is being cancelled or has failed")
 
     def resident_sizes(self) -> list[tuple[tuple[str, int], int]]:
         """The resident-on-SSD store's units: each resident parameter in chunks of

@@ -272,6 +272,51 @@ async def test_a_cancelled_save_stops_at_its_next_file_and_keeps_the_last_checkp
 
 
 @pytest.mark.asyncio
+async def test_a_cancelled_load_stops_at_its_next_layer_and_closes_the_trainer(tmp_path, monkeypatch):
+    """Cancelling the task awaiting load() stops it before its next layer (each layer file
+    here takes 0.3 s to open): the trainer is closed (its state is part-loaded), with no
+    thread left, and a new trainer loads the checkpoint."""
+    import threading
+
+    from tests.test_fault_injection import _snake_threads
+
+    async def body():
+        data = batches(4, 4)
+        where = tmp_path / "ckpt"
+        async with SnakeTrainer(model(), data=data, config=config(tmp_path, "a")) as t:
+            await t.run(2)
+            await t.save(where)
+            want = await t.state_dict()
+        real, opened = ckpt._TensorFile.__enter__, []
+        loop, first = asyncio.get_running_loop(), asyncio.Event()
+
+        def slow(self):
+            opened.append(self.path.name)
+            loop.call_soon_threadsafe(first.set)
+            threading.Event().wait(0.3)
+            return real(self)
+
+        t = SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "b"))
+        with monkeypatch.context() as m:
+            m.setattr(ckpt._TensorFile, "__enter__", slow)
+            task = asyncio.create_task(t.load(where))
+            await first.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert opened == [ckpt.layer_file(0)]  # not the other two layers, the resident file, the RNG's
+        with pytest.raises(SnakeError, match="stopped after"):
+            await t.run(1)
+        await t.close()
+        assert not _snake_threads()
+        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "c")) as t:
+            await t.load(where)
+            assert_equal_state(await t.state_dict(), want)
+
+    await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
 async def test_crash_between_renames_is_recovered(tmp_path):
     """A kill after the old checkpoint went aside but before the new one came in: load
     says where the old one is, and the next save puts it back before replacing it."""

@@ -503,9 +503,9 @@ async def test_a_cancelled_run_stops_the_step_on_ssd_at_its_next_chunk(tmp_path,
 @pytest.mark.asyncio
 async def test_the_stop_event_ends_both_chunked_steps(tmp_path, small_chunks):
     """With the engine's stop event set, the chunked resident steps (on SSD, and in memory
-    through the staged gradient buffer a GPU uses) raise StepStopped before their next chunk."""
+    through the staged gradient buffer a GPU uses) raise Stopped before their next chunk."""
     from snake.buffers import alloc_host_tensor
-    from snake.kernels import StepStopped
+    from snake.errors import Stopped
 
     kw = dict(micro_batches=2, placement=MIXED, alpha=0.0, device="cpu")
     for resident in ("ssd", "cpu"):
@@ -517,5 +517,5 @@ async def test_the_stop_event_ends_both_chunked_steps(tmp_path, small_chunks):
                 k.res_gstage = alloc_host_tensor(1024, torch.float32, pin=False)
             step = k._resident_step_ssd if resident == "ssd" else k._resident_step_staged
             t.engine.stop.set()
-            with pytest.raises(StepStopped):
+            with pytest.raises(Stopped):
                 step(list(range(len(k.res_shapes))), 2)
