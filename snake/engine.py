@@ -20,7 +20,7 @@ from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
 from snake.config import Placement, SnakeConfig
 from snake.device import helper_thread_init, pin_host_memory, stream_marks
-from snake.errors import ConfigError
+from snake.errors import ConfigError, Stopped
 from snake.io.base import TokenBucket
 from snake.io.kvikio_file import kvikio_usable
 from snake.io.posix import o_direct_works
@@ -366,12 +366,15 @@ class Engine:
             room.append(alloc_host_tensor(n - reused, torch.float32, pin=False))
         return room
 
-    def load_initial_weights(self) -> None:
+    def load_initial_weights(self, stop: threading.Event | None = None) -> None:
         """Blocking: write every block's weights into the param and opt stores (fp32 master,
-        zero Adam moments). Called once, before the first run."""
+        zero Adam moments). Called once, before the first run. Raises Stopped before the
+        next layer once `stop` is set (its task was cancelled)."""
         parts = self.kernels.parts
         scratch = alloc_host(max(self.stores["param"].max_tail_bytes, self.stores["opt"].max_tail_bytes, 1), pin=False)
         for layer, block in enumerate(parts.blocks):
+            if stop is not None and stop.is_set():
+                raise Stopped("writing the initial weights cancelled part-way")
             values = layer_values(parts, layer, flat_named(block))  # read now where on the meta device
             flat = torch.cat([p.reshape(-1).to(torch.float32) for p in values])
             del values

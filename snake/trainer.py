@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -300,8 +301,9 @@ class SnakeTrainer:
 
     async def _setup(self) -> None:
         """Build the engine from the first batch. On failure before the engine exists
-        (bad input, no plan, no disk space) nothing stays behind: no thread, no lock, and
-        the trainer can be given another try."""
+        (bad input, no plan, no disk space), or while it writes the initial weights (a
+        cancellation, which stops that at its next layer), nothing stays behind: no thread,
+        no lock, no offload file, and the trainer can be given another try."""
         try:
             await self._build()
         except BaseException:
@@ -310,7 +312,7 @@ class SnakeTrainer:
             raise
 
     async def _build(self) -> None:
-        cfg = self.config
+        cfg = given = self.config
         self._data_ex = ThreadPoolExecutor(
             1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
         )
@@ -348,7 +350,13 @@ class SnakeTrainer:
             raise
         self.engine = engine
         self._loop = asyncio.get_running_loop()
-        await run_blocking(engine.executors["io"], engine.load_initial_weights)
+        stop = threading.Event()
+        try:
+            await run_blocking(engine.executors["io"], engine.load_initial_weights, stop, on_cancel=stop.set)
+        except BaseException:  # nothing has run: the engine goes, and the config the user gave comes back
+            self.engine, self._loop, self.config = None, None, given
+            engine.close()
+            raise
         log.info(
             "snake: %d blocks x %d params, M=%d, alpha=%s, placement=%s, %s on %s, offload %.1f MiB in %s",
             engine.N, engine.P, cfg.micro_batches, cfg.alpha, cfg.placement, cfg.schedule,

@@ -287,6 +287,51 @@ async def test_failed_setup_leaves_nothing_behind(tmp_path):
 
 
 @pytest.mark.asyncio
+async def test_a_setup_cancelled_while_it_writes_the_initial_weights_can_be_retried(tmp_path, monkeypatch):
+    """The first run() writes every layer's initial weights to the stores; cancelled there
+    (each layer here takes 0.2 s to read) it stops before the next layer and leaves nothing
+    behind: no thread, no offload file, no lock, the config as given. The next run() sets up
+    again and trains to the weights of a run never cancelled."""
+    import threading
+
+    import snake.engine
+
+    cfg = SnakeConfig(offload_dir=tmp_path / "off", device="cpu", placement=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                      alpha=0.3)  # micro_batches left to the planner
+    data = batches(2, 4)
+    real, read = snake.engine.layer_values, []
+    loop, first = asyncio.get_running_loop(), asyncio.Event()
+
+    def slow(parts, layer, named):
+        read.append(layer)
+        loop.call_soon_threadsafe(first.set)
+        threading.Event().wait(0.2)
+        return real(parts, layer, named)
+
+    async with SnakeTrainer(tiny_gpt(n_layer=6), data=data, config=cfg) as trainer:
+        with monkeypatch.context() as m:
+            m.setattr(snake.engine, "layer_values", slow)
+            task = asyncio.create_task(trainer.run(2))
+            await first.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert read == [0]
+        assert trainer.engine is None and trainer.config == cfg
+        assert not [t for t in threading.enumerate() if t.name.startswith("snake-")]
+        assert not list((tmp_path / "off").glob("*.bin"))
+        async with SnakeTrainer(tiny_gpt(n_layer=6), data=batches(1, 4), config=cfg) as other:  # not locked
+            await asyncio.wait_for(other.run(1), 60)
+        await asyncio.wait_for(trainer.run(2), 60)
+        got = await trainer.state_dict()
+    async with SnakeTrainer(tiny_gpt(n_layer=6), data=data, config=cfg) as straight:
+        await asyncio.wait_for(straight.run(2), 60)
+        want = await straight.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.asyncio
 async def test_state_dict_during_run_is_refused(tmp_path):
     from snake import SnakeError
 
