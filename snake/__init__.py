@@ -3,6 +3,7 @@
 from snake.adapters import ModelParts
 from snake.config import AdamW, Placement, SnakeConfig, tiny_cpu
 from snake.errors import ActorFailed, ConfigError, DataError, ModelError, SnakeError, StorageError
+from snake.evaluate import EvalReport
 from snake.trainer import RunReport, SnakeTrainer
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "ActorFailed",
     "ConfigError",
     "DataError",
+    "EvalReport",
     "ModelError",
     "ModelParts",
     "RunReport",

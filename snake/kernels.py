@@ -460,6 +460,36 @@ class Kernels:
         assert gh is not None
         return loss.detach(), gh.to(self.dtype).contiguous()
 
+    # -- evaluation (forward only, dropout off) ----------------------------------------
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """The model's modules and the blocks' shells in eval mode (dropout off), and back in
+        training mode, as the engine keeps them, afterwards."""
+        shells = [call.block for call in self.calls]
+        for mod in (self.parts.model, *shells):
+            mod.eval()
+        try:
+            yield
+        finally:
+            for mod in (self.parts.model, *shells):
+                mod.train()
+
+    def eval_block(self, slot: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """One layer's forward for evaluation: `slot` holds its parameters as a load put
+        them there (the device mover's layout), no autograd."""
+        with torch.no_grad():
+            y = self.bind(self.views(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
+        return y.contiguous()
+
+    def eval_head(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """The head's cross-entropy summed over this micro-batch's targets trained on (not
+        IGNORE_INDEX), and how many those are."""
+        with torch.no_grad():
+            logits = functional_call(self.post_mod, self._res_dict(self.outer_dev), (h,))
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            return float(loss), int((targets != IGNORE_INDEX).sum())
+
     # -- backward ---------------------------------------------------------------------
     def block_bwd(
         self,

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from snake.errors import ConfigError, DataError, SnakeError
 from snake.offload_dir import DirLock, check_offload_dir
 from snake.runtime import run_iterations
 from snake.trace import Tracer
+
+if TYPE_CHECKING:
+    from snake.evaluate import EvalReport
 
 log = logging.getLogger("snake")
 
@@ -213,6 +216,16 @@ class SnakeTrainer:
             # buffers and frozen parameters, as they are: fp32 as before the first run
             out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
         return out
+
+    async def evaluate(self, data: Any, *, max_batches: int | None = None) -> EvalReport:
+        """The validation loss of the current weights: the mean cross-entropy over every
+        target token (not -100) of `data`'s (inputs, targets) batches, or of its first
+        `max_batches`; forward only, dropout off, streamed layer by layer. Batches of any
+        size and length (each cut into micro-batches of at most the training one's rows).
+        Changes nothing: a run after it goes on as without it. See snake.evaluate."""
+        from snake.evaluate import evaluate_model
+
+        return await evaluate_model(self, data, max_batches)
 
     async def save(self, directory: Any) -> None:
         """Write a checkpoint to `directory` (atomically; see snake.checkpoint): fp32 master

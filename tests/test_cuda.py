@@ -160,3 +160,24 @@ async def test_frozen_layer_weights_stream_on_cuda(tmp_path, schedule):
         assert k.layer_frozen == [[], [], []]
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where", sorted(PLACEMENTS))
+async def test_evaluate_on_cuda_matches_pytorch(tmp_path, where):
+    """SnakeTrainer.evaluate on the GPU (layers loaded into device slots, hidden states in CPU
+    memory between layers): PyTorch's eval-mode loss of the same weights on the same GPU."""
+    from tests.test_evaluate import held_out, torch_eval_loss
+
+    placement, alpha = PLACEMENTS[where]
+    model = tiny_gpt(n_layer=3, dropout=0.1)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=placement, alpha=alpha, device="cuda")
+    async with SnakeTrainer(model, data=batches(3, 4), config=cfg) as t:
+        await t.run(2)
+        report = await t.evaluate(held_out())
+        state = await t.state_dict()
+    data = [(x.cuda(), y.cuda()) for x, y in held_out()]
+    want, count = torch_eval_loss(model.cuda(), {k: v.cuda() for k, v in state.items()}, data)
+    assert report.tokens == count
+    assert report.loss == pytest.approx(want, rel=1e-4)

@@ -1,0 +1,156 @@
+"""`SnakeTrainer.evaluate`: the validation loss of the current weights, streamed layer by
+layer, equal to PyTorch's eval-mode loss of the same weights; it changes nothing."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from snake import ConfigError, DataError, EvalReport, Placement, SnakeConfig, SnakeTrainer
+from tests.helpers import batches, tiny_gpt
+
+MIXED = Placement(param=0.5, ckpt=0.5, opt=0.5)
+
+
+def torch_eval_loss(model, state, data) -> tuple[float, int]:
+    """PyTorch: `model` with `state` loaded, eval mode, no grad; the cross-entropy summed
+    over every target not -100, over its count."""
+    m = copy.deepcopy(model)
+    m.load_state_dict(state)
+    m.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in data:
+            logits = m(x)
+            total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                           ignore_index=-100, reduction="sum"))
+            count += int((y != -100).sum())
+    return total / count, count
+
+
+def held_out():
+    """Batches unlike the training ones: 3 and 5 rows (not multiples of the micro-batch's 2),
+    12 and 16 tokens, some targets -100."""
+    a = batches(1, 3, seq=12, seed=7)[0]
+    b = batches(1, 5, seq=16, seed=8)[0]
+    y = b[1].clone()
+    y[0, :5] = -100
+    return [a, (b[0], y)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("placement,alpha,schedule", [
+    (Placement.all_ssd(), 0.3, "vertical"),
+    (MIXED, 0.0, "horizontal"),
+    (Placement.all_cpu(), 0.3, "vertical"),
+])
+async def test_matches_pytorch_eval_of_the_same_weights(tmp_path, placement, alpha, schedule):
+    model = tiny_gpt(n_layer=3, dropout=0.1)  # dropout: evaluate must turn it off
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule,
+                      device="cpu")
+    data = held_out()
+    async with SnakeTrainer(model, data=batches(3, 4), config=cfg) as t:
+        await t.run(2)
+        report = await t.evaluate(data)
+        state = await t.state_dict()
+    want, count = torch_eval_loss(model, state, data)
+    assert isinstance(report, EvalReport)
+    assert report.tokens == count == 3 * 12 + 5 * 16 - 5
+    assert report.batches == 2
+    assert report.loss == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_evaluating_changes_nothing(tmp_path):
+    """run(1), evaluate, run(1), evaluate gives bitwise the weights of run(2), with delayed
+    steps pending at each evaluate, and the same loss twice over the same data."""
+    data = batches(3, 4)
+    kw = dict(micro_batches=2, placement=MIXED, alpha=0.3, device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_layer=3, dropout=0.1), data=data,
+                            config=SnakeConfig(offload_dir=tmp_path / "a", **kw)) as t:
+        await t.run(1)
+        first = await t.evaluate(held_out())
+        again = await t.evaluate(held_out())
+        report = await t.run(1)
+        got = await t.state_dict()
+    async with SnakeTrainer(tiny_gpt(n_layer=3, dropout=0.1), data=data,
+                            config=SnakeConfig(offload_dir=tmp_path / "b", **kw)) as t:
+        straight = await t.run(2)
+        want = await t.state_dict()
+    assert first.loss == again.loss
+    assert report.steps[0].loss == straight.steps[1].loss
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.asyncio
+async def test_before_the_first_run_it_evaluates_the_model_as_given(tmp_path):
+    model = tiny_gpt(n_layer=2)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(), alpha=0.0, device="cpu")
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
+        report = await t.evaluate(held_out(), max_batches=1)
+        await t.run(1)  # the data was not consumed by the evaluation's setup
+    want, count = torch_eval_loss(model, model.state_dict(), held_out()[:1])
+    assert (report.batches, report.tokens) == (1, count)
+    assert report.loss == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_bfloat16_and_frozen_block_parameters(tmp_path):
+    """bf16 compute with a frozen block weight (streamed with its layer, not trained): the
+    loss PyTorch computes with the same bf16 weights."""
+    model = tiny_gpt(n_layer=3)
+    for b in model.blocks:
+        b.attn.c_attn.weight.requires_grad_(False)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.0, device="cpu",
+                      dtype="bfloat16")
+    data = held_out()
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
+        await t.run(2)
+        report = await t.evaluate(data)
+        state = await t.state_dict()
+    want, _ = torch_eval_loss(copy.deepcopy(model).to(torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in state.items()},
+                              data)
+    assert report.loss == pytest.approx(want, rel=2e-2)
+
+
+@pytest.mark.asyncio
+async def test_bad_arguments_and_batches_are_refused_and_the_trainer_goes_on(tmp_path):
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.0, device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(3, 4), config=cfg) as t:
+        await t.run(1)
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(ConfigError, match="max_batches"):
+                await t.evaluate(held_out(), max_batches=bad)
+        with pytest.raises(DataError, match="iterable"):
+            await t.evaluate(42)
+        with pytest.raises(DataError, match="no batch"):
+            await t.evaluate([])
+        x, y = held_out()[0]
+        with pytest.raises(DataError, match="int64"):
+            await t.evaluate([(x, y.int())])
+        with pytest.raises(DataError, match="token ids must be in"):
+            await t.evaluate([(x + 1000, y)])
+        with pytest.raises(DataError, match="every target"):
+            await t.evaluate([(x, torch.full_like(y, -100))])
+        await t.run(1)
+        assert (await t.evaluate(held_out())).batches == 2
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_evaluation_leaves_the_trainer_usable(tmp_path):
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(), alpha=0.0, device="cpu")
+    many = batches(200, 4, seed=9)
+    async with SnakeTrainer(tiny_gpt(n_layer=4), data=batches(3, 4), config=cfg) as t:
+        await t.run(1)
+        task = asyncio.create_task(t.evaluate(many))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(t.run(1), 60)
+        assert t.engine is not None
+        t.engine.check_pools()  # every slot and staging buffer came back
+        assert (await t.evaluate(many, max_batches=3)).batches == 3
