@@ -88,6 +88,19 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint here at the end")
+    p.add_argument("--eval-batches", type=_count, default=8, metavar="N",
+                   help="validation loss before and after training on N batches of the held-out text (0: none)")
+
+
+def _count(text: str) -> int:
+    """A whole number >= 0 (--eval-batches)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
 
 
 def _placement(text: str) -> Placement:
@@ -116,6 +129,10 @@ def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
     longest = int(corpus_len * (1 - HOLDOUT)) - 2
     if args.seq > longest:
         raise ConfigError("--seq", args.seq, f"is longer than the training text allows ({longest} bytes)", "use a shorter sequence")
+    held = corpus_len - int(corpus_len * (1 - HOLDOUT)) - 1
+    if args.eval_batches and args.seq > held:
+        raise ConfigError("--seq", args.seq, f"is longer than the held-out text allows for validation ({held} bytes)",
+                          "use a shorter sequence, or --eval-batches 0")
     try:
         return GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
     except ValueError as e:  # GPTConfig's own checks
@@ -262,7 +279,7 @@ async def _train_run(
     args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor, steps: list[dict]
 ) -> int:
     """Train, appending each step's numbers to `steps`, and write the run's files."""
-    from snake.corpus import random_windows
+    from snake.corpus import holdout_windows, random_windows
     from snake.models import GPT
     from snake.timeline import plot_timeline
     from snake.trainer import SnakeTrainer
@@ -271,8 +288,13 @@ async def _train_run(
     print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
     print("config:", json.dumps(_config_json(asdict(config))))
     data = random_windows(corpus, batch=args.batch, seq=args.seq, seed=args.seed, holdout=HOLDOUT)
+    held = (holdout_windows(corpus, batch=args.batch, seq=args.seq, batches=args.eval_batches, holdout=HOLDOUT)
+            if args.eval_batches else [])
+    val: dict[str, float] = {}
     out = Path(args.out)
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
+        if held:
+            val["before"] = (await trainer.evaluate(held)).loss
         bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
         links: dict[str, str] = {}
 
@@ -291,6 +313,8 @@ async def _train_run(
         finally:
             bar.close()
         wall = time.perf_counter() - t0
+        if held:
+            val["after"] = (await trainer.evaluate(held)).loss
         trainer.trace.save(out / "trace.json")
         spans = list(trainer.trace.spans)
         plot_timeline(spans, out / "timeline.png", window_s=_window(steps), dropped=trainer.trace.recorded - len(spans))
@@ -302,12 +326,15 @@ async def _train_run(
             "tokens_per_s": sum(s["tokens"] for s in steps) / wall,
             "traffic_last_step": {"/".join(k): v for k, v in trainer.traffic().items()},
             "trace_summary": trainer.trace.summary(),
+            "val_loss": val,  # on --eval-batches batches of the held-out text, before and after training
         }
         (out / "report.json").write_text(json.dumps(report_json, indent=2))
         if args.checkpoint:
             await trainer.save(args.checkpoint)
             print(f"checkpoint: {args.checkpoint} (snake export {args.checkpoint} --hf DIR)")
-    print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s; wrote trace.json, report.json, timeline.png to {out}")
+    held_out = f"; held-out loss {val['before']:.4f} -> {val['after']:.4f}" if val else ""
+    print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s{held_out}; "
+          f"wrote trace.json, report.json, timeline.png to {out}")
     return 0
 
 

@@ -26,3 +26,17 @@ def random_windows(
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
         x = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
         yield x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def holdout_windows(
+    corpus: torch.Tensor, *, batch: int, seq: int, batches: int, holdout: float = 0.05
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`batches` (inputs, targets) batches of windows spread evenly over the held-out tail
+    that `random_windows` never draws from (the same every time: no generator)."""
+    n_train = int(len(corpus) * (1 - holdout))
+    last = len(corpus) - seq - 1  # the last start a whole window fits after
+    if last < n_train:
+        raise ValueError(f"the held-out text ({len(corpus) - n_train} bytes) is shorter than one window ({seq + 1})")
+    starts = torch.linspace(n_train, last, batch * batches).round().long().tolist()
+    x = torch.stack([corpus[s : s + seq + 1] for s in starts]).view(batches, batch, seq + 1)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]

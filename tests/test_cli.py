@@ -3,6 +3,8 @@ timeline.png; trace summarize / plot read them back."""
 
 import json
 
+import torch
+
 from snake.cli import main
 
 SMALL = ["--layers", "2", "--embd", "64", "--heads", "2", "--seq", "32", "--batch", "4", "--micro-batches", "2"]
@@ -43,3 +45,28 @@ def test_train_longer_lowers_the_loss(tmp_path):
 def test_bad_trace_file(tmp_path, capsys):
     assert main(["trace", "summarize", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_train_reports_the_held_out_loss_before_and_after(tmp_path, capsys):
+    """--eval-batches (8 by default): the validation loss on windows of the held-out text,
+    which the training windows never come from, before and after training."""
+    from snake.cli import HOLDOUT
+    from snake.corpus import holdout_windows, pydoc_bytes
+
+    out = tmp_path / "out"
+    assert main(["train", "--steps", "25", "--out", str(out), "--offload-dir", str(tmp_path / "off"),
+                 "--eval-batches", "3", *SMALL]) == 0
+    val = json.loads((out / "report.json").read_text())["val_loss"]
+    assert val["after"] < val["before"] - 0.5
+    assert f"held-out loss {val['before']:.4f} -> {val['after']:.4f}" in capsys.readouterr().out
+    corpus = pydoc_bytes()
+    held = holdout_windows(corpus, batch=4, seq=32, batches=3, holdout=HOLDOUT)
+    assert len(held) == 3 and all(x.shape == (4, 32) for x, _ in held)
+    first = int(len(corpus) * (1 - HOLDOUT))
+    assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in held)
+    assert torch.equal(held[0][0][0], corpus[first : first + 32])  # the held-out text's first window
+    out0 = tmp_path / "out0"
+    assert main(["train", "--steps", "2", "--out", str(out0), "--offload-dir", str(tmp_path / "off0"),
+                 "--eval-batches", "0", *SMALL]) == 0
+    assert json.loads((out0 / "report.json").read_text())["val_loss"] == {}
+    assert "held-out" not in capsys.readouterr().out

@@ -203,3 +203,15 @@ def test_plan_hf_without_seq_len_names_no_value(tmp_path, capsys):
     assert rc == 2
     assert err == ("snake plan: --seq-len is required with an hf: model "
                    "(give the sequence length you will train on, e.g. --seq-len 2048)\n")
+
+
+def test_eval_batches_and_a_sequence_too_long_for_the_held_out_text_are_refused(tmp_path, capsys):
+    rc, err = _main(capsys, "train", "--eval-batches", "-1", "--out", str(tmp_path / "o"))
+    assert rc == 2 and "--eval-batches" in err and "must be 0 or more" in err
+    rc, err = _main(capsys, "train", "--eval-batches", "two", "--out", str(tmp_path / "o"))
+    assert rc == 2 and "is not a whole number" in err
+    # longer than the held-out tail (5 % of the text), shorter than the training part
+    rc, err = _main(capsys, "train", "--seq", "30000", "--embd", "32", "--heads", "2", "--layers", "1", "--batch", "1",
+                    "--micro-batches", "1", "--out", str(tmp_path / "o"))
+    assert rc == 2 and "--seq=30000" in err and "held-out" in err and "--eval-batches 0" in err
+    assert not (tmp_path / "o").exists()
