@@ -180,3 +180,34 @@ async def test_hugging_face_models_match_their_own_eval_forward(tmp_path, kind):
         logits = m(x).logits
     want = float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
     assert report.loss == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_a_streamed_model_with_mapped_frozen_layer_weights(tmp_path):
+    """A LoRA-style fine-tune of a model streamed from its files (`stream_hf`): the frozen
+    layer weights come from snake's mapped file, the trained ones from the stores; evaluate
+    equals the loss of the model loaded whole with the trained weights."""
+    from snake.hf import load_hf, stream_hf
+    from tests.test_hf import VOCAB
+    from tests.test_stream_hf import saved
+
+    _, path = saved("llama", tmp_path)
+    streamed = stream_hf(path)
+    for name, p in streamed.named_parameters():
+        if "mlp" in name:
+            p.requires_grad_(False)
+    held = [batches(1, 3, seq=12, vocab=VOCAB, seed=5)[0]]
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=MIXED, alpha=0.3, device="cpu")
+    async with SnakeTrainer(streamed, data=batches(2, 4, vocab=VOCAB), config=cfg) as t:
+        await t.run(2)
+        assert t.engine is not None and t.engine.kernels.frozen_mapped
+        report = await t.evaluate(held)
+        state = await t.state_dict()
+    whole = load_hf(path)
+    whole.load_state_dict(state)
+    whole.eval()
+    x, y = held[0]
+    with torch.no_grad():
+        logits = whole(x).logits
+    want = float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    assert report.loss == pytest.approx(want, rel=1e-5)
