@@ -211,3 +211,26 @@ async def test_a_streamed_model_with_mapped_frozen_layer_weights(tmp_path):
         logits = whole(x).logits
     want = float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
     assert report.loss == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_a_read_error_fails_the_evaluation_not_the_trainer(tmp_path):
+    """An I/O error reading a layer: evaluate raises the StorageError naming the file, every
+    slot and staging buffer goes back, and (the disk healthy again) the trainer trains on."""
+    from snake.errors import StorageError
+    from snake.faults import StorageFaults, inject_storage
+
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(), alpha=0.0, device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_layer=3), data=batches(3, 4), config=cfg) as t:
+        await t.run(1)
+        assert t.engine is not None
+        f = t.engine.stores["param"].file
+        inner = getattr(f, "inner", f)
+        healthy = inner._preadv
+        inject_storage(f, StorageFaults(seed=1, read_error=1.0))
+        with pytest.raises(StorageError, match="param.bin"):
+            await t.evaluate(held_out())
+        inner._preadv = healthy
+        t.engine.check_pools()
+        await asyncio.wait_for(t.run(1), 60)
+        assert (await t.evaluate(held_out())).batches == 2
