@@ -88,6 +88,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint here at the end")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint --checkpoint wrote (same model options; --steps more steps)")
     p.add_argument("--eval-batches", type=_count, default=8, metavar="N",
                    help="validation loss before and after training on N batches of the held-out text (0: none)")
 
@@ -160,6 +162,17 @@ def _output_dir(option: str, text: str) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(option, text, "is not writable", "pick a directory you can write to")
     return path
+
+
+def _check_resume_dir(text: str) -> None:
+    """Refuse now a --resume path that holds no checkpoint (load() checks the rest: the model
+    options and the files against their digests)."""
+    from snake.checkpoint import MANIFEST
+
+    path = Path(text).expanduser()
+    if not (path / MANIFEST).is_file():
+        raise ConfigError("--resume", text, f"is not a snake checkpoint (no {MANIFEST} in it)",
+                          "pass a directory that --checkpoint wrote")
 
 
 def _check_checkpoint_dir(text: str) -> None:
@@ -293,6 +306,8 @@ async def _train_run(
     val: dict[str, float] = {}
     out = Path(args.out)
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
+        if args.resume:  # its step, weights, optimizer state, RNG and place in the data
+            await trainer.load(args.resume)
         if held:
             val["before"] = (await trainer.evaluate(held)).loss
         bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
@@ -520,6 +535,8 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
         # the run writes these at its end: refuse a bad path now, not after training
         if args.checkpoint:
             _check_checkpoint_dir(args.checkpoint)
+        if args.resume:
+            _check_resume_dir(args.resume)
         _output_dir("--out", args.out)
         return runner(_train(args, mcfg, config, corpus))
 

@@ -70,3 +70,29 @@ def test_train_reports_the_held_out_loss_before_and_after(tmp_path, capsys):
                  "--eval-batches", "0", *SMALL]) == 0
     assert json.loads((out0 / "report.json").read_text())["val_loss"] == {}
     assert "held-out" not in capsys.readouterr().out
+
+
+def test_resume_goes_on_as_one_longer_run(tmp_path, capsys):
+    """--checkpoint after 3 steps, then --resume from it for 2 more: the steps are numbered on,
+    their losses and the final checkpoint's tensors are those of a straight 5-step run."""
+    from safetensors.torch import load_file
+
+    def train(name: str, steps: int, *extra: str) -> dict:
+        out = tmp_path / name
+        assert main(["train", "--steps", str(steps), "--out", str(out), "--offload-dir", str(tmp_path / f"off-{name}"),
+                     "--checkpoint", str(tmp_path / f"ck-{name}"), "--eval-batches", "1", *SMALL, *extra]) == 0
+        return json.loads((out / "report.json").read_text())
+
+    train("first", 3)
+    resumed = train("resumed", 2, "--resume", str(tmp_path / "ck-first"))
+    straight = train("straight", 5)
+    assert [s["step"] for s in resumed["steps"]] == [3, 4]
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"][3:]]
+    assert resumed["val_loss"]["after"] == straight["val_loss"]["after"]
+    files = sorted(p.name for p in (tmp_path / "ck-straight").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "ck-resumed").glob("*.safetensors"))
+    for name in files:
+        got, want = load_file(tmp_path / "ck-resumed" / name), load_file(tmp_path / "ck-straight" / name)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (name, k)

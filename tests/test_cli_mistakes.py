@@ -215,3 +215,16 @@ def test_eval_batches_and_a_sequence_too_long_for_the_held_out_text_are_refused(
                     "--micro-batches", "1", "--out", str(tmp_path / "o"))
     assert rc == 2 and "--seq=30000" in err and "held-out" in err and "--eval-batches 0" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_resume_from_no_checkpoint_or_another_model_is_refused(tmp_path, capsys):
+    rc, err = _main(capsys, "train", "--resume", str(tmp_path), "--out", str(tmp_path / "o"), *SMALL)
+    assert rc == 2 and "--resume=" in err and "not a snake checkpoint" in err
+    ck = tmp_path / "ck"
+    assert cli.main(["train", "--steps", "1", "--checkpoint", str(ck), "--eval-batches", "0", "--out",
+                     str(tmp_path / "a"), "--offload-dir", str(tmp_path / "off-a"), *SMALL]) == 0
+    capsys.readouterr()
+    other = [SMALL[0], "3", *SMALL[2:]]  # --layers 3, not 2
+    rc, err = _main(capsys, "train", "--resume", str(ck), "--out", str(tmp_path / "b"), "--offload-dir",
+                    str(tmp_path / "off-b"), *other)
+    assert rc == 2 and "snake train:" in err and "Traceback" not in err
