@@ -88,6 +88,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint here at the end")
+    p.add_argument("--save-every", type=_count, default=0, metavar="N",
+                   help="also save --checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint --checkpoint wrote (same model options; --steps more steps)")
     p.add_argument("--eval-batches", type=_count, default=8, metavar="N",
@@ -123,6 +125,8 @@ def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
 
     if args.embd % args.heads:
         raise ConfigError("--heads", args.heads, f"must divide --embd={args.embd}", "e.g. --embd 192 --heads 6")
+    if args.save_every and not args.checkpoint:
+        raise ConfigError("--save-every", args.save_every, "needs --checkpoint DIR to save to", "add --checkpoint DIR")
     if args.batch % args.micro_batches:
         raise ConfigError(
             "--batch", args.batch, f"is not divisible by --micro-batches={args.micro_batches}",
@@ -322,12 +326,18 @@ async def _train_run(
             bar.set_postfix(info, refresh=False)
             bar.update(1)
 
-        t0 = time.perf_counter()
+        wall, done = 0.0, 0
         try:
-            await trainer.run(args.steps, on_step=on_step)
+            while done < args.steps:  # in pieces of --save-every steps, a checkpoint after each but the last
+                n = min(args.save_every or args.steps, args.steps - done)
+                t0 = time.perf_counter()
+                await trainer.run(n, on_step=on_step)
+                wall += time.perf_counter() - t0
+                done += n
+                if done < args.steps:
+                    await trainer.save(args.checkpoint)
         finally:
             bar.close()
-        wall = time.perf_counter() - t0
         if held:
             val["after"] = (await trainer.evaluate(held)).loss
         trainer.trace.save(out / "trace.json")

@@ -96,3 +96,35 @@ def test_resume_goes_on_as_one_longer_run(tmp_path, capsys):
         assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), (name, k)
+
+
+def test_save_every_checkpoints_on_the_way_and_changes_no_step(tmp_path, monkeypatch):
+    """--save-every 2 over 5 steps: saves after steps 2 and 4 and at the end; the losses and the
+    final checkpoint are those of a run that saved only at the end."""
+    from safetensors.torch import load_file
+
+    from snake.trainer import SnakeTrainer
+
+    saved_at: list[int] = []
+    real = SnakeTrainer.save
+
+    async def save(self, directory):
+        saved_at.append(self.engine.next_t)
+        await real(self, directory)
+
+    monkeypatch.setattr(SnakeTrainer, "save", save)
+
+    def train(name: str, *extra: str) -> dict:
+        out = tmp_path / name
+        assert main(["train", "--steps", "5", "--out", str(out), "--offload-dir", str(tmp_path / f"off-{name}"),
+                     "--checkpoint", str(tmp_path / f"ck-{name}"), "--eval-batches", "0", *SMALL, *extra]) == 0
+        return json.loads((out / "report.json").read_text())
+
+    every = train("every", "--save-every", "2")
+    assert saved_at == [2, 4, 5]
+    straight = train("straight")
+    assert [s["loss"] for s in every["steps"]] == [s["loss"] for s in straight["steps"]]
+    for f in (tmp_path / "ck-straight").glob("*.safetensors"):
+        got, want = load_file(tmp_path / "ck-every" / f.name), load_file(f)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (f.name, k)

@@ -228,3 +228,9 @@ def test_resume_from_no_checkpoint_or_another_model_is_refused(tmp_path, capsys)
     rc, err = _main(capsys, "train", "--resume", str(ck), "--out", str(tmp_path / "b"), "--offload-dir",
                     str(tmp_path / "off-b"), *other)
     assert rc == 2 and "snake train:" in err and "Traceback" not in err
+
+
+def test_save_every_without_a_checkpoint_is_refused(tmp_path, capsys):
+    rc, err = _main(capsys, "train", "--save-every", "2", "--out", str(tmp_path / "o"), *SMALL)
+    assert rc == 2 and "--save-every=2 needs --checkpoint DIR" in err
+    assert not (tmp_path / "o").exists()
