@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,16 +44,21 @@ class EvalReport:
     seconds: float
 
 
-async def evaluate_model(trainer: SnakeTrainer, data: Iterable[Any], max_batches: int | None) -> EvalReport:
+async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | None) -> EvalReport:
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):
         raise ConfigError("max_batches", max_batches, "must be a positive int or None (every batch of data)")
-    try:
-        it = iter(data)
-    except TypeError:
-        raise DataError(
-            f"evaluate: data must be an iterable of (inputs, targets) batches, got {type(data).__name__}"
-        ) from None
+    if hasattr(data, "__aiter__"):  # as run() takes them
+        ait = aiter(data)
+        it = None
+    else:
+        try:
+            it = iter(data)
+        except TypeError:
+            raise DataError(
+                f"evaluate: data must be an iterable or async iterable of (inputs, targets) batches, "
+                f"got {type(data).__name__}"
+            ) from None
     trainer._check_usable()
     if trainer._running:
         raise SnakeError("evaluate: a run(), save(), load() or evaluate() of this trainer is in progress; await it first")
@@ -70,7 +74,7 @@ async def evaluate_model(trainer: SnakeTrainer, data: Iterable[Any], max_batches
         assert data_ex is not None
         loss_sum, tokens, batches = 0.0, 0, 0
         while max_batches is None or batches < max_batches:
-            item = await run_blocking(data_ex, next, it, _END)
+            item = await run_blocking(data_ex, next, it, _END) if it is not None else await anext(ait, _END)
             if item is _END:
                 break
             s, n = await _one_batch(trainer, e, item)

@@ -234,3 +234,21 @@ async def test_a_read_error_fails_the_evaluation_not_the_trainer(tmp_path):
         t.engine.check_pools()
         await asyncio.wait_for(t.run(1), 60)
         assert (await t.evaluate(held_out())).batches == 2
+
+
+@pytest.mark.asyncio
+async def test_an_async_iterable_of_batches_as_run_takes(tmp_path):
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.0, device="cpu")
+
+    async def stream():
+        for b in held_out():
+            await asyncio.sleep(0)
+            yield b
+
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(2, 4), config=cfg) as t:
+        await t.run(1)
+        listed = await t.evaluate(held_out())
+        streamed = await t.evaluate(stream())
+        first = await t.evaluate(stream(), max_batches=1)
+    assert (streamed.loss, streamed.tokens, streamed.batches) == (listed.loss, listed.tokens, listed.batches)
+    assert first.batches == 1 and first.tokens == 3 * 12
