@@ -225,8 +225,10 @@ def _check_can_create(option: str, text: str, where: Path, fix: str, *, probe_pr
 class _Interrupted(Exception):
     """SIGINT or SIGTERM stopped `snake train`: its run was cancelled and the trainer closed."""
 
-    def __init__(self, signum: int, steps: int) -> None:
-        super().__init__(f"interrupted ({signal.Signals(signum).name}) after {steps} steps")
+    def __init__(self, signum: int, steps: int, saved: tuple[str, int] | None = None) -> None:
+        kept = (f"; the checkpoint in {saved[0]} holds step {saved[1]} (--resume {saved[0]} to go on)"
+                if saved else "")
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) after {steps} steps{kept}")
         self.signum = signum
 
 
@@ -278,7 +280,19 @@ async def _train(args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig,
             task = asyncio.current_task()
             assert task is not None
             task.uncancel()  # the cancellation was ours and ends here
-            raise _Interrupted(caught[0], len(steps)) from None
+            held = _checkpoint_step(args.checkpoint) if args.checkpoint else None
+            raise _Interrupted(caught[0], len(steps), (args.checkpoint, held) if held is not None else None) from None
+
+
+def _checkpoint_step(text: str) -> int | None:
+    """The step of the checkpoint in `text` as it is on disk now (a save replaces it whole),
+    or None where there is none."""
+    from snake.checkpoint import MANIFEST
+
+    try:
+        return int(json.loads((Path(text).expanduser() / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _config_json(value: Any) -> Any:

@@ -234,3 +234,31 @@ def test_save_every_without_a_checkpoint_is_refused(tmp_path, capsys):
     rc, err = _main(capsys, "train", "--save-every", "2", "--out", str(tmp_path / "o"), *SMALL)
     assert rc == 2 and "--save-every=2 needs --checkpoint DIR" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_run_says_which_step_its_last_checkpoint_holds(tmp_path):
+    """--save-every: SIGINT after a checkpoint was written names it and its step, and that
+    checkpoint is whole (its manifest's step is the one named)."""
+    ck = tmp_path / "ck"
+    err_path = tmp_path / "stderr.txt"
+    argv = [sys.executable, "-m", "snake.cli", "train", *SMALL, "--steps", "500", "--save-every", "2",
+            "--checkpoint", str(ck), "--eval-batches", "0", "--out", str(tmp_path / "out"),
+            "--offload-dir", str(tmp_path / "off")]
+    with err_path.open("w") as err_file:
+        child = subprocess.Popen(argv, cwd=tmp_path, env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=err_file)
+        try:
+            deadline = time.monotonic() + 60
+            while not (ck / "manifest.json").is_file() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert child.poll() is None, err_path.read_text()
+            child.send_signal(signal.SIGINT)
+            assert child.wait(timeout=60) == 130
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    last = err_path.read_text().splitlines()[-1]
+    found = re.fullmatch(rf"snake train: interrupted \(SIGINT\) after \d+ steps; the checkpoint in {re.escape(str(ck))} "
+                         rf"holds step (\d+) \(--resume {re.escape(str(ck))} to go on\)", last)
+    assert found, last
+    assert json.loads((ck / "manifest.json").read_text())["step"] == int(found.group(1))
