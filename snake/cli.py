@@ -32,12 +32,21 @@ HOLDOUT = 0.05  # the corpus' tail that `snake train` never trains on
 
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0 (--save-every, --eval-batches)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= {least}")
     return value
 
 
@@ -94,17 +103,6 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from a checkpoint --checkpoint wrote (same model options; --steps more steps)")
     p.add_argument("--eval-batches", type=_count, default=8, metavar="N",
                    help="validation loss before and after training on N batches of the held-out text (0: none)")
-
-
-def _count(text: str) -> int:
-    """A whole number >= 0 (--eval-batches)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
 
 
 def _placement(text: str) -> Placement:

@@ -207,9 +207,9 @@ def test_plan_hf_without_seq_len_names_no_value(tmp_path, capsys):
 
 def test_eval_batches_and_a_sequence_too_long_for_the_held_out_text_are_refused(tmp_path, capsys):
     rc, err = _main(capsys, "train", "--eval-batches", "-1", "--out", str(tmp_path / "o"))
-    assert rc == 2 and "--eval-batches" in err and "must be 0 or more" in err
+    assert rc == 2 and "--eval-batches" in err and "must be an integer >= 0" in err
     rc, err = _main(capsys, "train", "--eval-batches", "two", "--out", str(tmp_path / "o"))
-    assert rc == 2 and "is not a whole number" in err
+    assert rc == 2 and "is not an integer" in err
     # longer than the held-out tail (5 % of the text), shorter than the training part
     rc, err = _main(capsys, "train", "--seq", "30000", "--embd", "32", "--heads", "2", "--layers", "1", "--batch", "1",
                     "--micro-batches", "1", "--out", str(tmp_path / "o"))

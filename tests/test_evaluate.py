@@ -30,6 +30,16 @@ def torch_eval_loss(model, state, data) -> tuple[float, int]:
     return total / count, count
 
 
+def hf_eval_loss(model, state, batch) -> float:
+    """A Hugging Face model's own eval-mode mean cross-entropy on `batch` with `state`."""
+    model.load_state_dict(state)
+    model.eval()
+    x, y = batch
+    with torch.no_grad():
+        logits = model(x).logits
+    return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
+
+
 def held_out():
     """Batches unlike the training ones: 3 and 5 rows (not multiples of the micro-batch's 2),
     12 and 16 tokens, some targets -100."""
@@ -172,14 +182,7 @@ async def test_hugging_face_models_match_their_own_eval_forward(tmp_path, kind):
         await t.run(2)
         report = await t.evaluate(held)
         state = await t.state_dict()
-    m = copy.deepcopy(model)
-    m.load_state_dict(state)
-    m.eval()
-    x, y = held[0]
-    with torch.no_grad():
-        logits = m(x).logits
-    want = float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
-    assert report.loss == pytest.approx(want, rel=1e-5)
+    assert report.loss == pytest.approx(hf_eval_loss(copy.deepcopy(model), state, held[0]), rel=1e-5)
 
 
 @pytest.mark.asyncio
@@ -203,14 +206,7 @@ async def test_a_streamed_model_with_mapped_frozen_layer_weights(tmp_path):
         assert t.engine is not None and t.engine.kernels.frozen_mapped
         report = await t.evaluate(held)
         state = await t.state_dict()
-    whole = load_hf(path)
-    whole.load_state_dict(state)
-    whole.eval()
-    x, y = held[0]
-    with torch.no_grad():
-        logits = whole(x).logits
-    want = float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
-    assert report.loss == pytest.approx(want, rel=1e-5)
+    assert report.loss == pytest.approx(hf_eval_loss(load_hf(path), state, held[0]), rel=1e-5)
 
 
 @pytest.mark.asyncio
