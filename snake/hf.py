@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import inspect
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import warnings
@@ -44,7 +46,7 @@ import torch
 from torch import nn
 
 from snake.adapters import ModelParts, layer_kinds
-from snake.errors import DataError, ModelError
+from snake.errors import DataError, ModelError, StorageError
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
 
@@ -1240,6 +1242,24 @@ def _freeze_as_built(model: nn.Module, cls: Any, config: Any) -> None:
         model.get_parameter(name).requires_grad_(False)
 
 
+def _check_export_space(model: nn.Module, out: Path) -> None:
+    """Refuse, before a file is written, an export whose tensors alone (each storage once, as
+    save_pretrained writes a tied weight once) exceed the free space where `out` is."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in model.state_dict().values():
+        if t.device.type != "meta":
+            seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.numel() * t.element_size()
+    need = sum(seen.values())
+    disk = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(disk).free
+    if need > free:
+        raise StorageError(
+            errno.ENOSPC,
+            f"export_hf: {disk} has {free / 2**20:.1f} MiB free but the model's weights take at least "
+            f"{need / 2**20:.1f} MiB; nothing was written: free space there or export somewhere else",
+        )
+
+
 def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
     """Load `state_dict` (e.g. `await trainer.state_dict()`) into `model` (strictly, cast to
     the model's dtypes) and save it with `save_pretrained` as safetensors in `out_dir`, which
@@ -1261,6 +1281,7 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir:
     else:
         model.load_state_dict(dict(state_dict), strict=True)
     out = Path(out_dir)
+    _check_export_space(model, out)
     out.mkdir(parents=True, exist_ok=True)
     save(str(out))  # safetensors is the default (the only format in transformers >= 5)
     if not any(out.glob("*.safetensors")):

@@ -73,3 +73,33 @@ async def test_llama_exports(tmp_path, frozen):
 def test_export_of_a_non_checkpoint_fails_clearly(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 2
     assert "not a snake checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_an_export_that_cannot_fit_is_refused_before_a_file_is_written(tmp_path, capsys, monkeypatch):
+    """The weights' bytes (a tied weight once) against the free space of the output's disk:
+    `snake export` fails in one line naming the sizes, and writes nothing; with room it exports."""
+    import shutil
+    from collections import namedtuple
+
+    from safetensors import safe_open
+
+    model = tiny_gpt(n_layer=2)
+    await _train_and_save(model, tmp_path, batches(2, 4))
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        written = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    for free, ok in ((written - 1, False), (written + 4096, True)):
+        monkeypatch.setattr(shutil, "disk_usage",
+                            lambda p, free=free: usage(1 << 40, 0, free) if str(p).startswith(str(tmp_path)) else real(p))
+        out = tmp_path / f"hf-{free}"
+        capsys.readouterr()
+        assert main(["export", str(tmp_path / "ckpt"), "--hf", str(out)]) == (0 if ok else 2)
+        if not ok:
+            err = capsys.readouterr().err
+            assert "snake export:" in err and "free but the model's weights take at least" in err, err
+            assert not out.exists()
+        else:
+            assert (out / "model.safetensors").is_file()
