@@ -69,6 +69,7 @@ from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
+from snake.memory import fmt_size
 
 if TYPE_CHECKING:
     from snake.engine import Engine
@@ -804,8 +805,8 @@ def _check_save_space(trainer: SnakeTrainer, target: Path) -> None:
         if need > free:
             raise StorageError(
                 errno.ENOSPC,
-                f"save: {path} has {_fmt(free)} free but the save needs at least {_fmt(need)} there ("
-                + " and ".join(f"{w}, {_fmt(n)}" for w, n in what)
+                f"save: {path} has {fmt_size(free)} free but the save needs at least {fmt_size(need)} there ("
+                + " and ".join(f"{w}, {fmt_size(n)}" for w, n in what)
                 + "); nothing was changed (the delayed steps were not applied): free space there"
                 + (", or save to a disk with room" if dev == disk.stat().st_dev else ""),
             )
@@ -813,10 +814,6 @@ def _check_save_space(trainer: SnakeTrainer, target: Path) -> None:
 
 def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _fmt(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _check_replaceable(target: Path) -> None:

@@ -25,15 +25,11 @@ from snake.io.base import TokenBucket
 from snake.io.kvikio_file import kvikio_usable
 from snake.io.posix import o_direct_works
 from snake.kernels import Kernels
-from snake.memory import PoolSizes
+from snake.memory import PoolSizes, fmt_size
 from snake.plans import DELAYED, Plans
 from snake.schedule import build_schedule, stored_outputs
 from snake.stores import TierStore, scatter, tail_file_bytes
 from snake.trace import LINK_TRACK, Tracer, Traffic
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _split_parts(sizes: list[int], alpha: float) -> list[tuple[int, int]]:
@@ -236,10 +232,10 @@ class Engine:
         existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
         free = shutil.disk_usage(offload_dir).free + existing
         if tiers + frozen > free:
-            what = f"the SSD tier needs {_size(tiers)}" + (
-                f" and the frozen layer weights' mapped files {_size(frozen)} (whatever the shares)" if frozen else "")
+            what = f"the SSD tier needs {fmt_size(tiers)}" + (
+                f" and the frozen layer weights' mapped files {fmt_size(frozen)} (whatever the shares)" if frozen else "")
             raise ConfigError(
-                "offload_dir", str(offload_dir), f"has {_size(free)} free but {what}",
+                "offload_dir", str(offload_dir), f"has {fmt_size(free)} free but {what}",
                 "free space there, point offload_dir at a bigger disk"
                 + (", or raise the placement shares to keep more in CPU memory" if tiers else ""),
             )

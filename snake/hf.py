@@ -47,6 +47,7 @@ from torch import nn
 
 from snake.adapters import ModelParts, layer_kinds
 from snake.errors import DataError, ModelError, StorageError
+from snake.memory import fmt_size
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
 
@@ -1255,8 +1256,8 @@ def _check_export_space(model: nn.Module, out: Path) -> None:
     if need > free:
         raise StorageError(
             errno.ENOSPC,
-            f"export_hf: {disk} has {free / 2**20:.1f} MiB free but the model's weights take at least "
-            f"{need / 2**20:.1f} MiB; nothing was written: free space there or export somewhere else",
+            f"export_hf: {disk} has {fmt_size(free)} free but the model's weights take at least "
+            f"{fmt_size(need)}; nothing was written: free space there or export somewhere else",
         )
 
 

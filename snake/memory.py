@@ -26,6 +26,11 @@ OPT_BYTES_PER_ELEM = 12  # fp32 master + Adam m + v
 RESIDENT_CHUNK_ELEMS = 2 << 20
 
 
+def fmt_size(n: float) -> str:
+    """Bytes for a message: 1.50 GiB, or 12.0 MiB below a GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def resident_chunk(resident_params: int) -> int:
     """Elements of a resident-on-SSD chunk: RESIDENT_CHUNK_ELEMS, or all the resident
     parameters (rounded up to 1024) where they are fewer."""
