@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import warnings
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from snake.io.kvikio_file import kvikio_usable
 from snake.io.posix import o_direct_works
 from snake.kernels import Kernels
 from snake.memory import PoolSizes, fmt_size
+from snake.offload_dir import InMemoryOffloadWarning, memory_fs
 from snake.plans import DELAYED, Plans
 from snake.schedule import build_schedule, stored_outputs
 from snake.stores import TierStore, scatter, tail_file_bytes
@@ -238,6 +240,16 @@ class Engine:
                 "offload_dir", str(offload_dir), f"has {fmt_size(free)} free but {what}",
                 "free space there, point offload_dir at a bigger disk"
                 + (", or raise the placement shares to keep more in CPU memory" if tiers else ""),
+            )
+        fs = memory_fs(offload_dir)
+        if fs is not None and tiers + frozen:
+            warnings.warn(
+                f"offload_dir {offload_dir} is on {fs}, in memory: its SSD tier ({fmt_size(tiers)})"
+                + (f" and the mapped frozen layer weights ({fmt_size(frozen)})" if frozen else "")
+                + " take CPU memory, which the placement, snake's memory check and the planner count as disk; "
+                "put offload_dir on a disk (an SSD) for the memory the placement promises",
+                InMemoryOffloadWarning,
+                stacklevel=2,
             )
 
     def inline_store(self, kind: str, layer: int, micro_batch: int) -> torch.Tensor | None:

@@ -5,11 +5,43 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
 
 from snake.errors import ConfigError
+
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+class InMemoryOffloadWarning(UserWarning):
+    """offload_dir is on a file system that lives in memory (tmpfs, ramfs): its "SSD" tier
+    takes CPU memory, which the placement, the memory check and the planner count as disk."""
+
+
+def memory_fs(path: str | Path, mountinfo: str | None = None) -> str | None:
+    """The type of the file system `path` is on when it lives in memory ("tmpfs",
+    "ramfs"), else None: from the mount table (`/proc/self/mountinfo`, or `mountinfo`),
+    the longest mount point above the resolved path. None where there is no such table."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    target = Path(path).resolve()
+    best: tuple[int, str] | None = None
+    for line in mountinfo.splitlines():
+        fields, sep, rest = line.partition(" - ")
+        parts = fields.split()
+        if not sep or len(parts) < 5 or not rest:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4]))  # "\040": a space
+        if target == point or point in target.parents:
+            depth = len(point.parts)
+            if best is None or depth >= best[0]:
+                best = (depth, rest.split()[0])
+    return best[1] if best is not None and best[1] in MEMORY_FILE_SYSTEMS else None
 
 
 def check_offload_dir(path: str | Path) -> Path:
