@@ -40,6 +40,14 @@ def hf_eval_loss(model, state, batch) -> float:
     return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
 
 
+async def train_then_evaluate(model, cfg, data, held):
+    """Two training steps, then evaluate `held`: (the EvalReport, the trained state_dict)."""
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await t.run(2)
+        report = await t.evaluate(held)
+        return report, await t.state_dict()
+
+
 def held_out():
     """Batches unlike the training ones: 3 and 5 rows (not multiples of the micro-batch's 2),
     12 and 16 tokens, some targets -100."""
@@ -61,10 +69,7 @@ async def test_matches_pytorch_eval_of_the_same_weights(tmp_path, placement, alp
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule,
                       device="cpu")
     data = held_out()
-    async with SnakeTrainer(model, data=batches(3, 4), config=cfg) as t:
-        await t.run(2)
-        report = await t.evaluate(data)
-        state = await t.state_dict()
+    report, state = await train_then_evaluate(model, cfg, batches(3, 4), data)
     want, count = torch_eval_loss(model, state, data)
     assert isinstance(report, EvalReport)
     assert report.tokens == count == 3 * 12 + 5 * 16 - 5
@@ -117,10 +122,7 @@ async def test_bfloat16_and_frozen_block_parameters(tmp_path):
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.0, device="cpu",
                       dtype="bfloat16")
     data = held_out()
-    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
-        await t.run(2)
-        report = await t.evaluate(data)
-        state = await t.state_dict()
+    report, state = await train_then_evaluate(model, cfg, batches(2, 4), data)
     want, _ = torch_eval_loss(copy.deepcopy(model).to(torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in state.items()},
                               data)
     assert report.loss == pytest.approx(want, rel=2e-2)
@@ -178,10 +180,7 @@ async def test_hugging_face_models_match_their_own_eval_forward(tmp_path, kind):
     data = batches(2, 4, vocab=VOCAB)
     held = [batches(1, 3, seq=12, vocab=VOCAB, seed=5)[0]]
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.3, device="cpu")
-    async with SnakeTrainer(model, data=data, config=cfg) as t:
-        await t.run(2)
-        report = await t.evaluate(held)
-        state = await t.state_dict()
+    report, state = await train_then_evaluate(model, cfg, data, held)
     assert report.loss == pytest.approx(hf_eval_loss(copy.deepcopy(model), state, held[0]), rel=1e-5)
 
 
