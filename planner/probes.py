@@ -301,7 +301,7 @@ def adam_elems_per_s(seconds: float, n: int = 1 << 22) -> float:
     opt = AdamW(lr=1e-4, weight_decay=0.1)
     steps = iter(range(1, 1 << 30))
     return n / _median_seconds(
-        lambda: adamw_step([p], [g], [m], [v], step=next(steps), opt=opt), torch.device("cpu"), seconds
+        lambda: adamw_step([p], [g], [m], [v], step=next(steps), opt=opt, lr=opt.lr), torch.device("cpu"), seconds
     )
 
 

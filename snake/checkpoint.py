@@ -69,6 +69,7 @@ from snake.buffers import HostBuffer, alloc_host
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
+from snake.lr import describe
 from snake.memory import fmt_size
 
 if TYPE_CHECKING:
@@ -239,7 +240,8 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         # user's choice)
         "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
         "resident_optimizer": cfg.resident_optimizer,  # informational, as placement (bitwise either way)
-        "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+        "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                      "lr_schedule": describe(o.lr_schedule), "no_decay": describe(o.no_decay)},
     }
 
 

@@ -23,6 +23,8 @@ from tqdm import tqdm
 
 from snake.config import MAX_SEED, RESIDENT_TIERS, STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
 from snake.errors import ActorFailed, ConfigError, SnakeError
+from snake.lr import SCHEDULES as LR_SCHEDULES
+from snake.lr import WarmupConstant, describe
 
 if TYPE_CHECKING:
     from snake.models import GPTConfig
@@ -86,6 +88,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPU shares param,ckpt,opt (rest on SSD)")
     p.add_argument("--alpha", type=float, default=0.25)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", default="constant", choices=list(LR_SCHEDULES),
+                   help="the rate after --warmup-steps: constant, or decaying to 0 at --decay-steps")
+    p.add_argument("--warmup-steps", type=_count, default=0, metavar="N",
+                   help="raise the rate linearly from 0 over the first N steps")
+    p.add_argument("--decay-steps", type=positive_int, default=None, metavar="N",
+                   help="the step at which linear or cosine reaches 0 (default: this run's last step; "
+                        "give the same N to a --resume run to continue one schedule)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--schedule", default="vertical", choices=["vertical", "horizontal"])
     p.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: CUDA if present)")
@@ -143,10 +152,27 @@ def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
         raise SnakeError(f"--layers/--heads/--embd/--seq do not make a model: {e}") from None
 
 
+def _lr_schedule(args: argparse.Namespace) -> Any:
+    """--lr-schedule, --warmup-steps and --decay-steps as a snake.lr schedule (None: a
+    constant rate). The decay ends at --decay-steps, or at this run's last step (counting
+    a --resume checkpoint's steps)."""
+    if args.lr_schedule == "constant":
+        return WarmupConstant(warmup_steps=args.warmup_steps) if args.warmup_steps else None
+    total = args.decay_steps
+    if total is None:
+        done = (_checkpoint_step(args.resume) or 0) if args.resume else 0
+        total = done + args.steps
+    if args.warmup_steps > total:
+        raise ConfigError("--warmup-steps", args.warmup_steps, f"must be <= the decay's {total} steps",
+                          "use fewer warm-up steps or a larger --decay-steps")
+    return LR_SCHEDULES[args.lr_schedule](total_steps=total, warmup_steps=args.warmup_steps)
+
+
 def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
     return SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
-        alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1), dtype=args.dtype,
+        alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args)),
+        dtype=args.dtype,
         device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
         resident_optimizer=args.resident_optimizer,
     )
@@ -304,6 +330,14 @@ def _config_json(value: Any) -> Any:
     return value
 
 
+def _config_dict(config: SnakeConfig) -> dict[str, Any]:
+    """The config as JSON values, its optimizer's callables named (`snake.lr.describe`)."""
+    out = _config_json(asdict(config))
+    out["optimizer"]["lr_schedule"] = describe(config.optimizer.lr_schedule)
+    out["optimizer"]["no_decay"] = describe(config.optimizer.no_decay)
+    return out
+
+
 async def _train_run(
     args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor, steps: list[dict]
 ) -> int:
@@ -315,7 +349,7 @@ async def _train_run(
 
     torch.manual_seed(args.seed)
     print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
-    print("config:", json.dumps(_config_json(asdict(config))))
+    print("config:", json.dumps(_config_dict(config)))
     data = random_windows(corpus, batch=args.batch, seq=args.seq, seed=args.seed, holdout=HOLDOUT)
     held = (holdout_windows(corpus, batch=args.batch, seq=args.seq, batches=args.eval_batches, holdout=HOLDOUT)
             if args.eval_batches else [])
@@ -330,11 +364,13 @@ async def _train_run(
         links: dict[str, str] = {}
 
         def on_step(s) -> None:  # type: ignore[no-untyped-def]
-            steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens})
+            steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens, "lr": s.lr})
             if len(steps) % 10 == 1:  # bandwidth per tier link, from the trace
                 for link, v in trainer.trace.summary()["links"].items():
                     links[link] = f"{v['avg_bytes_per_s'] / 2**20:.0f}MiB/s"
             info = {"loss": f"{s.loss:.4f}", "tok/s": f"{s.tokens / s.seconds:.0f}", **links}
+            if config.optimizer.lr_schedule is not None:
+                info["lr"] = f"{s.lr:.2e}"
             bar.set_postfix(info, refresh=False)
             bar.update(1)
 
@@ -357,7 +393,7 @@ async def _train_run(
         plot_timeline(spans, out / "timeline.png", window_s=_window(steps), dropped=trainer.trace.recorded - len(spans))
         report_json = {
             "model": asdict(mcfg),
-            "config": _config_json(asdict(config)),
+            "config": _config_dict(config),
             "steps": steps,
             "wall_seconds": wall,
             "tokens_per_s": sum(s["tokens"] for s in steps) / wall,

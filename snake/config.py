@@ -7,9 +7,10 @@ resolves it with `dataclasses.replace` before any actor starts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from snake.errors import ConfigError
 
@@ -75,6 +76,21 @@ class AdamW:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    # the factor of lr at each iteration's 0-based index, as LambdaLR takes it (snake.lr:
+    # WarmupConstant, WarmupLinear, WarmupCosine, or any callable); None: lr throughout
+    lr_schedule: Callable[[int], float] | None = None
+    # which trained parameters take no weight decay: called once per parameter with its name
+    # in the model and the parameter (a meta tensor where the layer is still in its files);
+    # True: none. None: every one takes it, as one torch.optim.AdamW group. The two groups
+    # of torch's usual recipe: snake.optim.biases_and_norms
+    no_decay: Callable[[str, Any], bool] | None = None
+
+    def lr_at(self, step: int) -> float:
+        """The rate of AdamW step count `step` (1-based): lr times the schedule's factor at
+        index step - 1, computed as LambdaLR computes it."""
+        if self.lr_schedule is None:
+            return float(self.lr)
+        return float(self.lr * self.lr_schedule(step - 1))
 
     def __post_init__(self) -> None:
         if not (_finite(self.lr) and self.lr >= 0):
@@ -89,6 +105,17 @@ class AdamW:
             raise ConfigError("optimizer.eps", self.eps, "must be a finite number > 0", "torch's default is 1e-8")
         if not (_finite(self.weight_decay) and self.weight_decay >= 0):
             raise ConfigError("optimizer.weight_decay", self.weight_decay, "must be a finite number >= 0")
+        if self.no_decay is not None and not callable(self.no_decay):
+            raise ConfigError(
+                "optimizer.no_decay", self.no_decay, "must be a callable or None",
+                "a function of (name, parameter) that is True for those without weight decay, "
+                "e.g. snake.optim.biases_and_norms",
+            )
+        if self.lr_schedule is not None and not callable(self.lr_schedule):
+            raise ConfigError(
+                "optimizer.lr_schedule", self.lr_schedule, "must be a callable or None",
+                "a function of the 0-based step index returning lr's factor, e.g. snake.lr.WarmupCosine(...)",
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -46,7 +46,7 @@ from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
 from snake.errors import Stopped, StorageError
 from snake.memory import resident_chunk
-from snake.optim import adamw_step
+from snake.optim import adamw_step, decay_flags
 from snake.stores import TierStore, Unit
 
 log = logging.getLogger("snake")
@@ -94,6 +94,9 @@ class Kernels:
             self.generators.append(torch.cuda.default_generators[index])
         self.opt = config.optimizer
         self.parts = parts
+        # which trained parameters take weight decay (`AdamW.no_decay`): per layer one flag
+        # per parameter of its flat state (None: all), per resident parameter one
+        self.layer_decay, self.res_decay = decay_flags(parts, config.optimizer)
         # one device "shell" block per layer kind (a copy of the kind's first block): its
         # own weights are never used, each layer's arrive in a slot
         blocks = list(parts.blocks)
@@ -599,7 +602,8 @@ class Kernels:
         moved = 0
         if self.res_store is None and self.res_gstage is None:  # a CPU device: the gradients are host memory
             adamw_step([self.res_master[i] for i in on], [self.res_grad[i] for i in on], [self.res_m[i] for i in on],
-                       [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt)
+                       [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt, lr=self.opt.lr_at(step),
+                       decay=[self.res_decay[i] for i in on])
             with torch.no_grad():
                 for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
                     dev.copy_(master.view(shape))
@@ -631,7 +635,8 @@ class Kernels:
                     g.copy_(self.res_grad[i][a:b])
                     master = self.res_master[i][a:b]
                     adamw_step([master], [g], [self.res_m[i][a:b]], [self.res_v[i][a:b]],
-                               step=step - self.res_skips[i], opt=self.opt)
+                               step=step - self.res_skips[i], opt=self.opt, lr=self.opt.lr_at(step),
+                               decay=[self.res_decay[i]])
                     dev[a:b].copy_(master)
 
     def _resident_step_ssd(self, on: list[int], step: int) -> int:
@@ -664,7 +669,8 @@ class Kernels:
                     t = store.tail(u, buf)
                     g = gbuf[: u.n]
                     g.copy_(self.res_grad[i][a : a + u.n])
-                    adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - self.res_skips[i], opt=self.opt)
+                    adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - self.res_skips[i], opt=self.opt, lr=self.opt.lr_at(step),
+                               decay=[self.res_decay[i]])
                     self.res_dev[i].view(-1)[a : a + u.n].copy_(t[0])
                     writes[j % 2] = w = io.submit(store.write_tail, u, buf)
                     pending.append(w)

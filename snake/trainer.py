@@ -33,7 +33,9 @@ from snake.data import DataSource, Vocab, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, SnakeError
+from snake.lr import check_rates
 from snake.offload_dir import DirLock, check_offload_dir
+from snake.optim import decay_flags
 from snake.runtime import run_iterations
 from snake.trace import Tracer
 
@@ -49,7 +51,7 @@ _NEXT_GRACE_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
-    """steps[i]: .loss (mean over the global batch), .seconds, .tokens."""
+    """steps[i]: .loss (mean over the global batch), .seconds, .tokens, .lr (the rate it stepped with)."""
 
     steps: list[StepReport]
     traffic: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -88,6 +90,7 @@ class SnakeTrainer:
                 "round at every layer, unlike plain PyTorch",
                 f"use dtype='float32', or set {self.parts.hidden_fp32} = False",
             )
+        decay_flags(self.parts, config.optimizer)  # a no_decay that fails: a ConfigError now
         self.source = DataSource(data)
         # last: it creates the directory, which a bad model or data should not leave behind
         self.offload_dir = check_offload_dir(config.offload_dir)
@@ -118,6 +121,8 @@ class SnakeTrainer:
         self._check_usable()
         if self._running:
             raise SnakeError("run: this trainer is already running; await the first run() before the next")
+        first = self.engine.next_t if self.engine is not None else 0
+        check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
             raise SnakeError(
                 "run: this trainer was set up in another event loop, which its queues belong to; "

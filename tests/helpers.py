@@ -25,13 +25,17 @@ def batches(n: int, batch: int, seq: int = 16, vocab: int = 96, seed: int = 1) -
 
 
 def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-              device: str = "cpu"):
+              device: str = "cpu", lr_lambda=None, no_decay=None):
     """Plain PyTorch: gradient accumulation over micro-batches (loss / M) + torch AdamW, on
-    `device` (the returned state dict is on the CPU)."""
+    `device` (the returned state dict is on the CPU); `lr_lambda`: a LambdaLR schedule,
+    stepped after each optimizer step; `no_decay(name, p)`: True puts a parameter in a second
+    group, without weight decay."""
     m = copy.deepcopy(model).to(device)
     m.train()
     data = [(x.to(device), y.to(device)) for x, y in data]
-    opt = torch.optim.AdamW(m.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    opt = torch.optim.AdamW(param_groups(m.named_parameters(), no_decay, wd), lr=lr, betas=betas, eps=eps,
+                            weight_decay=wd)
+    sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     losses = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)
@@ -43,6 +47,8 @@ def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 
             loss = loss.detach()
             total += loss.item()
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(total)
     return {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}, losses
 
@@ -61,7 +67,18 @@ async def train(model, data, steps: int, **config):
     return state, report, traffic
 
 
-def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01):
+def param_groups(named, no_decay, wd: float) -> list[dict]:
+    """torch.optim's parameter groups: one, or with `no_decay` those it is True for apart,
+    with weight_decay 0."""
+    named = list(named)
+    if no_decay is None:
+        return [{"params": [p for _, p in named]}]
+    return [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": wd},
+            {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+
+
+def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
+                    lr_lambda=None, no_decay=None):
     """Plain PyTorch mixed precision: the model computes in its own dtypes (bfloat16, with
     whatever it keeps in float32), fp32 master weights, gradients summed over micro-batches in
     fp32, torch AdamW on the masters, the masters cast back into the model after each step.
@@ -71,7 +88,9 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
     named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     masters = [p.detach().float().clone() for p in params]
-    opt = torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    opt = torch.optim.AdamW(param_groups([(n, master) for (n, _), master in zip(named, masters, strict=True)],
+                                         no_decay, wd), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     for x, y in data:
         acc: list[torch.Tensor | None] = [None] * len(params)
         for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
@@ -84,6 +103,8 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
         for master, g in zip(masters, acc, strict=True):
             master.grad = g
         opt.step()
+        if sched is not None:
+            sched.step()
         with torch.no_grad():
             for p, master in zip(params, masters, strict=True):
                 p.copy_(master)

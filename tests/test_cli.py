@@ -128,3 +128,30 @@ def test_save_every_checkpoints_on_the_way_and_changes_no_step(tmp_path, monkeyp
         got, want = load_file(tmp_path / "ck-every" / f.name), load_file(f)
         for k in want:
             assert torch.equal(got[k], want[k]), (f.name, k)
+
+
+def test_a_learning_rate_schedule_goes_on_across_a_resume(tmp_path):
+    """--lr-schedule cosine --warmup-steps 2: each step's rate in report.json is the cosine's
+    (snake.lr), and a --resume run given the same --decay-steps continues the one schedule:
+    its steps, losses and rates are those of the straight run."""
+    from snake.lr import WarmupCosine
+
+    def train(name: str, steps: int, *extra: str) -> dict:
+        out = tmp_path / name
+        assert main(["train", "--steps", str(steps), "--out", str(out), "--offload-dir", str(tmp_path / f"off-{name}"),
+                     "--checkpoint", str(tmp_path / f"ck-{name}"), "--eval-batches", "0", "--lr-schedule", "cosine",
+                     "--warmup-steps", "2", *SMALL, *extra]) == 0
+        return json.loads((out / "report.json").read_text())
+
+    straight = train("straight", 5)
+    cos = WarmupCosine(total_steps=5, warmup_steps=2)
+    assert [s["lr"] for s in straight["steps"]] == [1e-3 * cos(i) for i in range(5)]
+    assert straight["config"]["optimizer"]["lr_schedule"] == {
+        "kind": "cosine", "total_steps": 5, "warmup_steps": 2, "min_ratio": 0.0}
+    train("first", 3, "--decay-steps", "5")
+    resumed = train("resumed", 2, "--resume", str(tmp_path / "ck-first"), "--decay-steps", "5")
+    assert [s["step"] for s in resumed["steps"]] == [3, 4]
+    assert [(s["loss"], s["lr"]) for s in resumed["steps"]] == [(s["loss"], s["lr"]) for s in straight["steps"][3:]]
+    # without --decay-steps a resumed run's decay ends at its own last step (3 + 2 = 5 here too)
+    again = train("again", 2, "--resume", str(tmp_path / "ck-first"))
+    assert [s["lr"] for s in again["steps"]] == [s["lr"] for s in straight["steps"][3:]]

@@ -43,6 +43,11 @@ def _train(tmp_path, capsys, *extra: str) -> tuple[int, str]:
         (["--seq", "100000000"], "snake train: --seq=100000000 is longer than the training text allows"),
         (["--alpha", "1.5"], "snake train: alpha=1.5 must be in [0, 1)"),
         (["--lr", "-1"], "snake train: optimizer.lr=-1.0 must be"),
+        (["--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
+        (["--warmup-steps", "-1"], "argument --warmup-steps:"),
+        (["--decay-steps", "0"], "argument --decay-steps: 0 must be an integer >= 1"),
+        (["--lr-schedule", "cosine", "--warmup-steps", "2"], "snake train: --warmup-steps=2 must be <= the decay's 1 steps"),
+        (["--lr-schedule", "linear", "--warmup-steps", "3", "--decay-steps", "2"], "snake train: --warmup-steps=3 must be <= the decay's 2 steps"),
     ],
 )
 def test_bad_argument_is_one_line_and_status_2(tmp_path, capsys, extra, says):

@@ -4,7 +4,7 @@ plain PyTorch on the same GPU. Skipped on machines without CUDA (CI has none).""
 import pytest
 import torch
 
-from snake import Placement, SnakeConfig, SnakeTrainer
+from snake import AdamW, Placement, SnakeConfig, SnakeTrainer
 from tests.helpers import assert_tracks_updates, batches, reference, tiny_gpt
 
 PLACEMENTS = {
@@ -48,8 +48,22 @@ async def test_resident_optimizer_on_ssd_on_cuda(tmp_path, monkeypatch, backend)
     await _parity(tmp_path, "vertical", "mixed", backend, resident_optimizer="ssd")
 
 
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("resident", ["cpu", "ssd"])
+async def test_lr_schedule_and_no_decay_on_cuda(tmp_path, monkeypatch, resident):
+    """A learning-rate schedule and a group without weight decay step the streamed layers
+    and the resident state (staged through the pinned gradient buffer, or on SSD) as torch's
+    AdamW with LambdaLR and two parameter groups does."""
+    from snake.optim import biases_and_norms
+
+    monkeypatch.setattr("snake.memory.RESIDENT_CHUNK_ELEMS", 1024)
+    await _parity(tmp_path, "vertical", "mixed", "auto", resident_optimizer=resident,
+                  lr_lambda=lambda i: (1.0, 0.1, 2.0, 0.5)[i], no_decay=biases_and_norms)
+
+
 async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batch=6, seq=16,  # type: ignore[no-untyped-def]
-                  resident_optimizer="cpu"):
+                  resident_optimizer="cpu", lr_lambda=None, no_decay=None):
     """Three iterations of snake and of PyTorch on the GPU: the same losses and weights.
     Returns snake's trace spans."""
     placement, alpha = PLACEMENTS[where]
@@ -58,10 +72,11 @@ async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batc
     # the reference runs on the same GPU: against a CPU reference, cuBLAS's rounding moved
     # one weight in 16,384 by 4e-5 after 3 AdamW steps (Adam divides by sqrt(v), so a tiny
     # gradient difference in a weight with a tiny v is magnified)
-    want, want_losses = reference(model, data, micro, device="cuda")
+    wd = 0.01 if no_decay is None else 0.5  # large: a weight decayed or not differs far beyond the tolerance
+    want, want_losses = reference(model, data, micro, device="cuda", lr_lambda=lr_lambda, no_decay=no_decay, wd=wd)
     cfg = SnakeConfig(
         micro_batches=micro, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule, device="cuda",
-        storage_backend=backend, resident_optimizer=resident_optimizer,
+        storage_backend=backend, resident_optimizer=resident_optimizer, optimizer=AdamW(weight_decay=wd, lr_schedule=lr_lambda, no_decay=no_decay),
     )
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         report = await trainer.run(3)

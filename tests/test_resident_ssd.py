@@ -296,7 +296,7 @@ def test_adamw_in_chunks_of_1024_multiples_is_the_whole_step_bitwise():
         for step in range(1, 6):
             grad = torch.randn(n, generator=g)
             for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-                adamw_step([p[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], step=step, opt=AdamW(weight_decay=0.1))
+                adamw_step([p[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], step=step, opt=AdamW(weight_decay=0.1), lr=1e-3)
         return p, m, v
 
     whole = run([])

@@ -110,6 +110,7 @@ class StepReport:
     loss: float
     seconds: float
     tokens: int
+    lr: float  # the optimizer's rate for this step (`AdamW.lr_at`)
 
 
 class Compute(Actor):
@@ -187,7 +188,7 @@ class Compute(Actor):
                 e.traffic.add(t, "ssd", "cpu", "opt", moved // 2)
                 e.traffic.add(t, "cpu", "ssd", "opt", moved // 2)
             loss = await self._k("loss", _total, losses)
-            report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens)
+            report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens, e.config.optimizer.lr_at(t + 1))
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)

@@ -149,11 +149,15 @@ def step_unit(
     cuts = _aligned([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces],
                      grads if isinstance(grads, list) else [grads]])
     steps: int | list[int] = step
-    if counts is not None:
-        k = e.kernels
-        cuts, steps = _by_parameter(cuts, first, k.kind_numels[k.kinds[layer]], counts)
+    k = e.kernels
+    decays = k.layer_decay[layer]
+    decay: list[bool] | None = None
+    if counts is not None or decays is not None:
+        numels = k.kind_numels[k.kinds[layer]]
+        cuts, steps, decay = _by_parameter(cuts, first, numels, counts or [step] * len(numels),
+                                           decays or [True] * len(numels))
     adamw_step([c[0] for c in cuts], [c[3] for c in cuts], [c[1] for c in cuts], [c[2] for c in cuts],
-               step=steps, opt=e.config.optimizer)
+               step=steps, opt=e.config.optimizer, lr=e.config.optimizer.lr_at(step), decay=decay)
     dst = [pstore.head(pu)[0]]
     if ptail is not None:
         dst.append(pstore.tail(pu, ptail)[0])
@@ -193,14 +197,16 @@ def flush_delayed(e: Engine) -> None:
 
 
 def _by_parameter(
-    cuts: list[tuple[torch.Tensor, ...]], first: int, numels: list[int], counts: list[int | None]
-) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+    cuts: list[tuple[torch.Tensor, ...]], first: int, numels: list[int], counts: list[int | None],
+    decays: list[bool],
+) -> tuple[list[tuple[torch.Tensor, ...]], list[int], list[bool]]:
     """Cut aligned pieces (consecutive elements of a layer from element `first`) further at
     the layer's parameter boundaries (`numels`); keep each piece with its parameter's step
-    count, dropping those of parameters left this step (count None)."""
+    count and weight-decay flag, dropping those of parameters left this step (count None)."""
     bounds = list(itertools.accumulate(numels))
     out: list[tuple[torch.Tensor, ...]] = []
     steps: list[int] = []
+    decay: list[bool] = []
     pos = first
     for cut in cuts:
         n, a = cut[0].numel(), 0
@@ -211,9 +217,10 @@ def _by_parameter(
             if count is not None:
                 out.append(tuple(c[a:b] for c in cut))
                 steps.append(count)
+                decay.append(decays[i])
             a = b
         pos += n
-    return out, steps
+    return out, steps, decay
 
 
 def _aligned(runs: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
