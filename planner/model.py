@@ -146,9 +146,10 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     fp32 layer gradient (once) out; the (1 - alpha) share of the optimizer step."""
     p, pb, cb, ob, lb = _units(profile.shape)
     a = alpha
-    # SSD operations: with a delayed share (alpha > 0) params and optimizer states are two
-    # units per layer (the step's now and delayed parts), each loaded and written on its own
-    split = 2 if a > 0 else 1
+    # SSD operations: with a delayed share (0 < alpha < 1) params and optimizer states are
+    # two units per layer (the step's now and delayed parts), each loaded and written on its
+    # own; alpha = 1 leaves only the delayed one
+    split = 1 + (0 < a < 1)
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
@@ -165,7 +166,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
         ssd_read=(pb, n * cb, (1 - a) * ob),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob),
-        ssd_ops=(split + 1, n, 2),
+        ssd_ops=(split + (a < 1), n, 2 * (a < 1)),
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 
@@ -181,7 +182,7 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     f, rb = profile.fwd_seconds, profile.recompute_seconds + profile.bwd_seconds
     grads = GRAD_BYTES_PER_ELEM * p
 
-    split = 2 if a > 0 else 1  # units per layer of params and optimizer states (vertical_phases)
+    split = 1 + (0 < a < 1)  # units per layer of params and optimizer states (vertical_phases)
 
     def fwd(first: bool) -> Traffic:
         s = a if first else 0.0

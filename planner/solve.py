@@ -98,8 +98,8 @@ def fmt_bytes(n: float) -> str:
 def _check(alpha: float, n_micro: int, schedule: str) -> None:
     if not isinstance(n_micro, int) or n_micro < 1:
         raise ValueError(f"n_micro={n_micro!r} must be an integer >= 1")
-    if not 0.0 <= alpha < 1.0:
-        raise ValueError(f"alpha={alpha!r} must be in [0, 1) (delayed optimizer share)")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} must be in [0, 1] (delayed optimizer share)")
     if schedule not in ("vertical", "horizontal"):
         raise ValueError(f"schedule={schedule!r} must be 'vertical' or 'horizontal'")
 

@@ -125,7 +125,7 @@ class SnakeConfig:
     micro_batches: M, micro-batches per iteration; a global batch is split along dim 0.
     offload_dir: directory of the SSD tier (created with mode 0700).
     placement: CPU share of param / ckpt / opt; None: the planner chooses.
-    alpha: fraction of each layer's optimizer step delayed into the next forward, in [0, 1);
+    alpha: fraction of each layer's optimizer step delayed into the next forward, in [0, 1];
         None: the planner chooses.
     dtype: compute dtype; master weights and gradient accumulation are fp32.
     device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
@@ -190,9 +190,9 @@ class SnakeConfig:
             raise ConfigError("placement", self.placement, "must be a snake.Placement or None")
         a = self.alpha
         if a is not None and (
-            not isinstance(a, int | float) or isinstance(a, bool) or not math.isfinite(a) or not 0.0 <= a < 1.0
+            not isinstance(a, int | float) or isinstance(a, bool) or not math.isfinite(a) or not 0.0 <= a <= 1.0
         ):
-            raise ConfigError("alpha", a, "must be in [0, 1)", "delayed share of the optimizer step; None lets the planner choose")
+            raise ConfigError("alpha", a, "must be in [0, 1]", "delayed share of the optimizer step; None lets the planner choose")
         if not isinstance(self.optimizer, AdamW):
             raise ConfigError("optimizer", self.optimizer, "must be a snake.AdamW")
         if self.dtype not in DTYPES:

@@ -38,7 +38,11 @@ def _split_parts(sizes: list[int], alpha: float) -> list[tuple[int, int]]:
     """Per layer of `sizes` elements: (now-step, delayed-step) elements, alpha of each
     layer delayed. An alpha so small (or so near 1) that a part would round to no elements
     delays none (or all but one); layers of several kinds delay some elements in every
-    layer or in none (the plans step a delayed part of every layer)."""
+    layer or in none (the plans step a delayed part of every layer). Alpha = 1 delays every
+    element of every layer (no now-step elements: each step can wait for the whole
+    iteration's gradient)."""
+    if alpha >= 1.0:
+        return [(0, p) for p in sizes]
     delayed = [min(int(round(alpha * p)), p - 1) for p in sizes]
     if any(delayed):
         delayed = [max(d, 1) for d in delayed] if all(p > 1 for p in sizes) else [0] * len(sizes)

@@ -13,8 +13,9 @@ waits on something queued behind itself:
              for the optimizer steps that produce it (now-step of the last iteration,
              delayed step of this one), so it is ordered after their state reads.
   optimizer  now-step of layer l (1 - alpha of it) as soon as l's gradient is complete
-             (its last backward stage); the delayed alpha share in the next iteration,
-             two stages before l's forward (and never before the now-step it follows).
+             (its last backward stage; at alpha = 1 it steps nothing and only takes the
+             gradient); the delayed alpha share in the next iteration, two stages before
+             l's forward (and never before the now-step it follows).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from tests.helpers import batches, tiny_gpt
         (dict(micro_batches=0), "micro_batches"),
         (dict(micro_batches=-2), "micro_batches"),
         (dict(micro_batches=2.5), "micro_batches"),
-        (dict(alpha=1.0), "alpha"),
+        (dict(alpha=1.01), "alpha"),
         (dict(alpha=-0.1), "alpha"),
         (dict(alpha=float("nan")), "alpha"),
         (dict(dtype="int8"), "dtype"),

@@ -41,7 +41,7 @@ def _train(tmp_path, capsys, *extra: str) -> tuple[int, str]:
         (["--heads", "5"], "snake train: --heads=5 must divide --embd=32"),
         (["--micro-batches", "3"], "snake train: --batch=4 is not divisible by --micro-batches=3"),
         (["--seq", "100000000"], "snake train: --seq=100000000 is longer than the training text allows"),
-        (["--alpha", "1.5"], "snake train: alpha=1.5 must be in [0, 1)"),
+        (["--alpha", "1.5"], "snake train: alpha=1.5 must be in [0, 1]"),
         (["--lr", "-1"], "snake train: optimizer.lr=-1.0 must be"),
         (["--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
         (["--warmup-steps", "-1"], "argument --warmup-steps:"),

@@ -9,8 +9,10 @@ from tests.helpers import assert_tracks_updates, batches, reference, tiny_gpt
 
 PLACEMENTS = {
     "mixed": (Placement(param=0.5, ckpt=0.5, opt=0.5), 0.3),
-    "all-ssd": (Placement(param=1.0, ckpt=1.0, opt=1.0), 0.0),
-    "all-cpu": (Placement(param=0.0, ckpt=0.0, opt=0.0), 0.5),
+    # a Placement gives the CPU share: 0 is all on SSD
+    "all-ssd": (Placement(param=0.0, ckpt=0.0, opt=0.0), 0.0),
+    "all-cpu": (Placement(param=1.0, ckpt=1.0, opt=1.0), 0.5),
+    "all-delayed": (Placement(param=0.5, ckpt=0.5, opt=0.5), 1.0),  # no now-step elements
 }
 
 

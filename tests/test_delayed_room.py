@@ -35,11 +35,12 @@ def _room(engine):
     ("param", "dtype", "dedicated_fraction"),
     [(1.0, "float32", 0.0), (0.5, "float32", 0.5), (0.0, "float32", 1.0), (1.0, "bfloat16", 0.5)],
 )
-async def test_delayed_gradients_reuse_param_memory(tmp_path, param, dtype, dedicated_fraction):
+@pytest.mark.parametrize("alpha", [0.25, 1.0])
+async def test_delayed_gradients_reuse_param_memory(tmp_path, param, dtype, dedicated_fraction, alpha):
     model = tiny_gpt(n_layer=3, n_embd=64, bias=False)
     cfg = SnakeConfig(
         micro_batches=2, offload_dir=tmp_path, placement=Placement(param=param, ckpt=1.0, opt=0.5),
-        alpha=0.25, schedule="vertical", device="cpu", dtype=dtype,
+        alpha=alpha, schedule="vertical", device="cpu", dtype=dtype,
     )
     async with SnakeTrainer(model, data=batches(3, 4), config=cfg) as trainer:
         await trainer.run(2)

@@ -41,7 +41,8 @@ async def test_config_that_cannot_fit_fails_before_training(tmp_path):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("schedule", "alpha"), [("vertical", 0.0), ("vertical", 0.25), ("horizontal", 0.0)])
+@pytest.mark.parametrize(("schedule", "alpha"), [("vertical", 0.0), ("vertical", 0.25), ("vertical", 1.0),
+                                                 ("horizontal", 0.0), ("horizontal", 1.0)])
 async def test_planner_counts_the_ssd_operations_the_runtime_makes(tmp_path, schedule, alpha):
     """planner.model's ssd_ops per layer and iteration, summed over the schedule's phases, is
     the number of SSD reads and writes the runtime traces per kind when every kind has a tail

@@ -30,7 +30,7 @@ async def test_parameter_loads_per_iteration(tmp_path, schedule, loads):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("alpha", [0.0, 0.3])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 async def test_optimizer_states_on_ssd_read_and_written_once(tmp_path, alpha, schedule):
     model = tiny_gpt(n_layer=N, bias=False)

@@ -14,7 +14,9 @@ in the next iteration before the layer's forward; its gradient waits in CPU memo
 (vertical: in the memory of the layer's CPU-resident delayed parameters, which are stale
 until this step rewrites them, plus a dedicated slice for the rest, GreedySnake 4.4;
 horizontal: the layer's accumulator). AdamW is element-wise, so the split gives the result
-of alpha = 0 (to the last bit of a few elements: snake.optim.adamw_step).
+of alpha = 0 (to the last bit of a few elements: snake.optim.adamw_step). At alpha = 1
+the now-step has no elements and only keeps the gradient: every step can then wait for
+the whole iteration's gradient.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class OptimizerWorker(Actor):
             skipped = e.kernels.take_skipped(op.t, op.layer)
             if n_del:
                 e.delayed_skips[op.layer] = skipped
+            if not n_now:  # alpha = 1: no element steps now
+                await self._keep(op, full, host)
+                return
         else:
             await self.clock.wait_for(op.key)  # type: ignore[arg-type]
             full = None
@@ -106,10 +111,28 @@ class OptimizerWorker(Actor):
                     pool.release(buf)
             raise
         finally:
-            if host is not None:  # the host buffer, or on a CPU device the slot itself
-                (e.grad_host if e.grad_host is not None else e.grad_slots).release(host)
+            self._release(host)
         await self._store(op, ou, otail, "opt")
         await self._store(op, pu, ptail, "param")
+
+    async def _keep(self, op: StepOp, full: torch.Tensor, host: torch.Tensor | None) -> None:
+        """The now-step of a layer with no now elements (alpha = 1): its whole gradient
+        waits for the delayed step, vertical in the layer's delayed room (the host buffer
+        comes back), horizontal in its accumulator."""
+        e = self.e
+        try:
+            if e.vertical:
+                n = e.layer_P[op.layer]
+                await self.work(e.executors["optimizer"], f"grads L{op.layer} keep", scatter,
+                                [full[:n]], e.delayed_grads[op.layer])
+        finally:
+            self._release(host)
+
+    def _release(self, host: torch.Tensor | None) -> None:
+        """The host buffer a now-step's gradient came in, or on a CPU device the slot itself."""
+        e = self.e
+        if host is not None:
+            (e.grad_host if e.grad_host is not None else e.grad_slots).release(host)
 
     async def _store(self, op: StepOp, u: Unit, buf: HostBuffer | None, kind: str) -> None:
         e = self.e

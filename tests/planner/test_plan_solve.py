@@ -267,7 +267,7 @@ def test_horizontal_is_not_faster_than_vertical_with_many_micro_batches():
 def test_bad_arguments_raise():
     p = synthetic_profile()
     with pytest.raises(ValueError, match="alpha"):
-        solve(p, n_micro=1, alpha=1.0)
+        solve(p, n_micro=1, alpha=1.01)
     with pytest.raises(ValueError, match="n_micro"):
         solve(p, n_micro=0, alpha=0.0)
     with pytest.raises(ValueError, match="schedule"):
