@@ -98,7 +98,9 @@ def plan_for_config(
         profile,
         schedule=config.schedule,
         workers=config.optimizer_workers,
-        alphas=None if config.alpha is None else (config.alpha,),
+        alphas=(config.alpha,) if config.alpha is not None
+        else (1.0,) if config.optimizer.max_grad_norm is not None  # clipping: every step delayed
+        else None,
         placement=config.placement,
         n_micro=config.micro_batches,
         resident=config.resident_optimizer,

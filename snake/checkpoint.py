@@ -241,7 +241,8 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
         "resident_optimizer": cfg.resident_optimizer,  # informational, as placement (bitwise either way)
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                      "lr_schedule": describe(o.lr_schedule), "no_decay": describe(o.no_decay)},
+                      "lr_schedule": describe(o.lr_schedule), "no_decay": describe(o.no_decay),
+                      "max_grad_norm": o.max_grad_norm},
     }
 
 

@@ -86,12 +86,15 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batches", type=positive_int, default=4)
     p.add_argument("--placement", type=_placement, default="0.5,0.5,0.5",
                    help="CPU shares param,ckpt,opt (rest on SSD)")
-    p.add_argument("--alpha", type=float, default=0.25)
+    p.add_argument("--alpha", type=float, default=None,
+                   help="delayed share of each optimizer step (default 0.25; 1.0 with --max-grad-norm)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", default="constant", choices=list(LR_SCHEDULES),
                    help="the rate after --warmup-steps: constant, or decaying to 0 at --decay-steps")
     p.add_argument("--warmup-steps", type=_count, default=0, metavar="N",
                    help="raise the rate linearly from 0 over the first N steps")
+    p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                   help="clip the gradients to this global norm before each step (needs --alpha 1, its default then)")
     p.add_argument("--decay-steps", type=positive_int, default=None, metavar="N",
                    help="the step at which linear or cosine reaches 0 (default: this run's last step; "
                         "give the same N to a --resume run to continue one schedule)")
@@ -171,7 +174,8 @@ def _lr_schedule(args: argparse.Namespace) -> Any:
 def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
     return SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
-        alpha=args.alpha, optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args)),
+        alpha=args.alpha if args.alpha is not None else 1.0 if args.max_grad_norm is not None else 0.25,
+        optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args), max_grad_norm=args.max_grad_norm),
         dtype=args.dtype,
         device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
         resident_optimizer=args.resident_optimizer,
@@ -364,13 +368,16 @@ async def _train_run(
         links: dict[str, str] = {}
 
         def on_step(s) -> None:  # type: ignore[no-untyped-def]
-            steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens, "lr": s.lr})
+            steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens, "lr": s.lr,
+                          "grad_norm": s.grad_norm})
             if len(steps) % 10 == 1:  # bandwidth per tier link, from the trace
                 for link, v in trainer.trace.summary()["links"].items():
                     links[link] = f"{v['avg_bytes_per_s'] / 2**20:.0f}MiB/s"
             info = {"loss": f"{s.loss:.4f}", "tok/s": f"{s.tokens / s.seconds:.0f}", **links}
             if config.optimizer.lr_schedule is not None:
                 info["lr"] = f"{s.lr:.2e}"
+            if s.grad_norm is not None:
+                info["gnorm"] = f"{s.grad_norm:.3f}"
             bar.set_postfix(info, refresh=False)
             bar.update(1)
 

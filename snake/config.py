@@ -84,6 +84,10 @@ class AdamW:
     # True: none. None: every one takes it, as one torch.optim.AdamW group. The two groups
     # of torch's usual recipe: snake.optim.biases_and_norms
     no_decay: Callable[[str, Any], bool] | None = None
+    # clip the gradients by their global 2-norm before each step, as
+    # torch.nn.utils.clip_grad_norm_(params, max_grad_norm) does (snake.clip); needs
+    # alpha = 1 (every step waits for the whole iteration's gradient). None: no clipping
+    max_grad_norm: float | None = None
 
     def lr_at(self, step: int) -> float:
         """The rate of AdamW step count `step` (1-based): lr times the schedule's factor at
@@ -105,6 +109,10 @@ class AdamW:
             raise ConfigError("optimizer.eps", self.eps, "must be a finite number > 0", "torch's default is 1e-8")
         if not (_finite(self.weight_decay) and self.weight_decay >= 0):
             raise ConfigError("optimizer.weight_decay", self.weight_decay, "must be a finite number >= 0")
+        g = self.max_grad_norm
+        if g is not None and not (_finite(g) and g > 0):
+            raise ConfigError("optimizer.max_grad_norm", g, "must be a finite number > 0 or None",
+                              "the largest global gradient norm a step takes, e.g. 1.0")
         if self.no_decay is not None and not callable(self.no_decay):
             raise ConfigError(
                 "optimizer.no_decay", self.no_decay, "must be a callable or None",
@@ -126,7 +134,7 @@ class SnakeConfig:
     offload_dir: directory of the SSD tier (created with mode 0700).
     placement: CPU share of param / ckpt / opt; None: the planner chooses.
     alpha: fraction of each layer's optimizer step delayed into the next forward, in [0, 1];
-        None: the planner chooses.
+        None: the planner chooses. Clipping (optimizer.max_grad_norm) needs 1.
     dtype: compute dtype; master weights and gradient accumulation are fp32.
     device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
     schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
@@ -195,6 +203,12 @@ class SnakeConfig:
             raise ConfigError("alpha", a, "must be in [0, 1]", "delayed share of the optimizer step; None lets the planner choose")
         if not isinstance(self.optimizer, AdamW):
             raise ConfigError("optimizer", self.optimizer, "must be a snake.AdamW")
+        if self.optimizer.max_grad_norm is not None and a is not None and a != 1.0:
+            raise ConfigError(
+                "alpha", a, f"must be 1.0 (or None) with optimizer.max_grad_norm={self.optimizer.max_grad_norm}",
+                "clipping needs the whole iteration's gradient before any step: alpha=1.0 delays every "
+                "step into the next iteration",
+            )
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", self.dtype, f"must be one of {DTYPES}")
         if self.schedule not in SCHEDULES:

@@ -19,6 +19,7 @@ from snake.adapters import ModelParts, flat_named, layer_values
 from snake.blocking import name_native_thread
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
+from snake.clip import GradClip
 from snake.config import Placement, SnakeConfig
 from snake.device import helper_thread_init, pin_host_memory, stream_marks
 from snake.errors import ConfigError, Stopped
@@ -107,6 +108,10 @@ class Engine:
         # per layer, the parameters (by index) its pending delayed step leaves: those without
         # a gradient in the iteration its gradient is of (Kernels.take_skipped)
         self.delayed_skips: dict[int, tuple[int, ...]] = {}
+        # clipping by the global gradient norm (AdamW.max_grad_norm, at alpha = 1): the
+        # norms and coefficients of the iterations in flight
+        mg = config.optimizer.max_grad_norm
+        self.clip = GradClip(mg, parts) if mg is not None else None
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None

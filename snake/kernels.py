@@ -41,6 +41,7 @@ from snake.adapters import (
     takes_layer,
 )
 from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
+from snake.clip import scale
 from snake.config import SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
@@ -590,11 +591,15 @@ class Kernels:
         self._accumulate_resident(grads)
 
     # -- resident optimizer step --------------------------------------------------------
-    def resident_step(self, step: int) -> int:
+    def resident_step(self, step: int, clip: Callable[[list[torch.Tensor]], torch.Tensor] | None = None) -> int:
         """AdamW on pre/post, step count `step` for each parameter less the iterations it had
         no gradient in; one without a gradient this iteration is left, as torch.optim.AdamW
         leaves it. With the state on SSD, chunk by chunk: read, step, write back, and the
-        chunk's master to the device copy. Returns the SSD bytes read and written."""
+        chunk's master to the device copy. `clip`: with clipping, takes the resident
+        gradients' norms and gives the iteration's coefficient (`GradClip.finish`), which
+        scales them first. Returns the SSD bytes read and written."""
+        if clip is not None:
+            scale(self.res_grad, clip([torch.linalg.vector_norm(g) for g in self.res_grad]))
         on = [i for i, got in enumerate(self.res_got) if got]
         for i, got in enumerate(self.res_got):
             if not got:

@@ -25,11 +25,12 @@ def batches(n: int, batch: int, seq: int = 16, vocab: int = 96, seed: int = 1) -
 
 
 def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-              device: str = "cpu", lr_lambda=None, no_decay=None):
+              device: str = "cpu", lr_lambda=None, no_decay=None, max_norm=None, norms=None):
     """Plain PyTorch: gradient accumulation over micro-batches (loss / M) + torch AdamW, on
     `device` (the returned state dict is on the CPU); `lr_lambda`: a LambdaLR schedule,
     stepped after each optimizer step; `no_decay(name, p)`: True puts a parameter in a second
-    group, without weight decay."""
+    group, without weight decay; `max_norm`: clip_grad_norm_ before each step, appending the
+    norm it returns to `norms`."""
     m = copy.deepcopy(model).to(device)
     m.train()
     data = [(x.to(device), y.to(device)) for x, y in data]
@@ -46,6 +47,10 @@ def reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 
             loss.backward()
             loss = loss.detach()
             total += loss.item()
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         if sched is not None:
             sched.step()
@@ -78,7 +83,7 @@ def param_groups(named, no_decay, wd: float) -> list[dict]:
 
 
 def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-                    lr_lambda=None, no_decay=None):
+                    lr_lambda=None, no_decay=None, max_norm=None):
     """Plain PyTorch mixed precision: the model computes in its own dtypes (bfloat16, with
     whatever it keeps in float32), fp32 master weights, gradients summed over micro-batches in
     fp32, torch AdamW on the masters, the masters cast back into the model after each step.
@@ -102,6 +107,8 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
                     acc[i] = g.float() if acc[i] is None else acc[i] + g.float()
         for master, g in zip(masters, acc, strict=True):
             master.grad = g
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(masters, max_norm)
         opt.step()
         if sched is not None:
             sched.step()

@@ -155,3 +155,21 @@ def test_a_learning_rate_schedule_goes_on_across_a_resume(tmp_path):
     # without --decay-steps a resumed run's decay ends at its own last step (3 + 2 = 5 here too)
     again = train("again", 2, "--resume", str(tmp_path / "ck-first"))
     assert [s["lr"] for s in again["steps"]] == [s["lr"] for s in straight["steps"][3:]]
+
+
+def test_max_grad_norm_clips_with_every_step_delayed(tmp_path):
+    """--max-grad-norm: alpha 1 by default then, each step's norm before clipping in
+    report.json, and the losses of a run that clips differ from one that does not."""
+    def train(name: str, *extra: str) -> dict:
+        out = tmp_path / name
+        assert main(["train", "--steps", "4", "--out", str(out), "--offload-dir", str(tmp_path / f"off-{name}"),
+                     "--eval-batches", "0", *SMALL, *extra]) == 0
+        return json.loads((out / "report.json").read_text())
+
+    clipped = train("clipped", "--max-grad-norm", "0.05")
+    plain = train("plain", "--alpha", "1")
+    assert clipped["config"]["alpha"] == 1.0 and clipped["config"]["optimizer"]["max_grad_norm"] == 0.05
+    assert all(s["grad_norm"] > 0.05 for s in clipped["steps"])
+    assert [s["grad_norm"] for s in plain["steps"]] == [None] * 4
+    assert clipped["steps"][0]["loss"] == plain["steps"][0]["loss"]  # the first step's loss is before any step
+    assert clipped["steps"][-1]["loss"] != plain["steps"][-1]["loss"]

@@ -64,8 +64,19 @@ async def test_lr_schedule_and_no_decay_on_cuda(tmp_path, monkeypatch, resident)
                   lr_lambda=lambda i: (1.0, 0.1, 2.0, 0.5)[i], no_decay=biases_and_norms)
 
 
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+@pytest.mark.parametrize("resident", ["cpu", "ssd"])
+async def test_clipping_on_cuda(tmp_path, monkeypatch, schedule, resident):
+    """Clipping by the global norm: each layer's norms from the gradient's host copy, the
+    resident ones on the GPU, every step delayed (alpha = 1)."""
+    monkeypatch.setattr("snake.memory.RESIDENT_CHUNK_ELEMS", 1024)
+    await _parity(tmp_path, schedule, "all-delayed", "auto", resident_optimizer=resident, max_norm=0.3)
+
+
 async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batch=6, seq=16,  # type: ignore[no-untyped-def]
-                  resident_optimizer="cpu", lr_lambda=None, no_decay=None):
+                  resident_optimizer="cpu", lr_lambda=None, no_decay=None, max_norm=None):
     """Three iterations of snake and of PyTorch on the GPU: the same losses and weights.
     Returns snake's trace spans."""
     placement, alpha = PLACEMENTS[where]
@@ -75,10 +86,12 @@ async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batc
     # one weight in 16,384 by 4e-5 after 3 AdamW steps (Adam divides by sqrt(v), so a tiny
     # gradient difference in a weight with a tiny v is magnified)
     wd = 0.01 if no_decay is None else 0.5  # large: a weight decayed or not differs far beyond the tolerance
-    want, want_losses = reference(model, data, micro, device="cuda", lr_lambda=lr_lambda, no_decay=no_decay, wd=wd)
+    norms: list[float] = []
+    want, want_losses = reference(model, data, micro, device="cuda", lr_lambda=lr_lambda, no_decay=no_decay, wd=wd,
+                                  max_norm=max_norm, norms=norms)
     cfg = SnakeConfig(
         micro_batches=micro, offload_dir=tmp_path, placement=placement, alpha=alpha, schedule=schedule, device="cuda",
-        storage_backend=backend, resident_optimizer=resident_optimizer, optimizer=AdamW(weight_decay=wd, lr_schedule=lr_lambda, no_decay=no_decay),
+        storage_backend=backend, resident_optimizer=resident_optimizer, optimizer=AdamW(weight_decay=wd, lr_schedule=lr_lambda, no_decay=no_decay, max_grad_norm=max_norm),
     )
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         report = await trainer.run(3)
@@ -87,6 +100,8 @@ async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batc
         got = await trainer.state_dict()
         spans = list(trainer.trace.spans)
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)
+    if max_norm is not None:
+        assert [s.grad_norm for s in report.steps] == pytest.approx(norms, rel=1e-5)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     return spans

@@ -111,6 +111,9 @@ class StepReport:
     seconds: float
     tokens: int
     lr: float  # the optimizer's rate for this step (`AdamW.lr_at`)
+    # with AdamW.max_grad_norm: the gradients' global 2-norm, before clipping (what
+    # clip_grad_norm_ returns); None without
+    grad_norm: float | None = None
 
 
 class Compute(Actor):
@@ -183,12 +186,19 @@ class Compute(Actor):
                     await self._drop(ahead)
                 raise
             self.at(t)
-            moved = await self._k("resident step", e.kernels.resident_step, t + 1)
+            clip = None
+            if e.clip is not None:  # every layer's gradient norms are in: the coefficient is the step's
+                await e.clip.layers_in(t)
+                clip = functools.partial(e.clip.finish, t)
+            moved = await self._k("resident step", e.kernels.resident_step, t + 1, clip)
+            if e.clip is not None:
+                e.clip.mark_ready(t)
             if moved:  # the resident optimizer state on SSD: read and written back once each
                 e.traffic.add(t, "ssd", "cpu", "opt", moved // 2)
                 e.traffic.add(t, "cpu", "ssd", "opt", moved // 2)
             loss = await self._k("loss", _total, losses)
-            report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens, e.config.optimizer.lr_at(t + 1))
+            report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens, e.config.optimizer.lr_at(t + 1),
+                                None if e.clip is None else e.clip.totals[t])
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)

@@ -23,6 +23,7 @@ import torch
 
 from snake.actors.base import Actor
 from snake.channels import Mailbox, StageClock
+from snake.clip import layer_norms
 from snake.device import Copier
 from snake.engine import Engine
 from snake.messages import (
@@ -249,6 +250,7 @@ class DeviceToHost(Actor):
         dest = self.optimizers[msg.layer % len(self.optimizers)]
         if e.slot_grads():  # vertical, CPU device: the optimizer steps from the slot itself
             try:
+                await self._norms(msg.t, msg.layer, msg.buf)
                 await e.link_wait("gpu->cpu", nbytes)
             except BaseException:
                 e.grad_slots.release(msg.buf)
@@ -267,6 +269,11 @@ class DeviceToHost(Actor):
                 raise
             finally:
                 e.grad_slots.release(msg.buf)
+            try:
+                await self._norms(msg.t, msg.layer, host)
+            except BaseException:
+                e.grad_host.release(host)
+                raise
             e.traffic.add(msg.t, "gpu", "cpu", "grad", nbytes)
             await dest.put(GradsOnHost(msg.t, msg.layer, host))
             return
@@ -290,4 +297,16 @@ class DeviceToHost(Actor):
             e.grad_slots.release(msg.buf)
         e.traffic.add(msg.t, "gpu", "cpu", "grad", nbytes)
         if msg.last:
+            await self._norms(msg.t, msg.layer, e.accumulators[msg.layer])
             await dest.put(GradsOnHost(msg.t, msg.layer, None))
+
+    async def _norms(self, t: int, layer: int, flat: torch.Tensor) -> None:
+        """With clipping: the norms of a layer's complete gradient (in host memory), before
+        anything can wait on the optimizer that takes it."""
+        e = self.e
+        if e.clip is None:
+            return
+        k = e.kernels
+        norms = await self.work(e.executors["copy"], f"grad norm L{layer}", layer_norms, flat,
+                                k.kind_numels[k.kinds[layer]])
+        e.clip.add_layer(t, layer, norms)

@@ -29,6 +29,7 @@ import torch
 from snake.actors.base import Actor
 from snake.buffers import HostBuffer
 from snake.channels import Mailbox, StageClock
+from snake.clip import scale
 from snake.engine import Engine
 from snake.messages import GradsOnHost, Stop, WriteTail
 from snake.optim import adamw_step
@@ -69,6 +70,7 @@ class OptimizerWorker(Actor):
         n = n_now + n_del
         host: torch.Tensor | None = None
         grads: torch.Tensor | list[torch.Tensor]
+        coef: torch.Tensor | None = None
         if op.kind == "now":
             msg: GradsOnHost = await self.inbox.take(("grads", op.t, op.layer))
             host = msg.buf
@@ -83,6 +85,8 @@ class OptimizerWorker(Actor):
                 return
         else:
             await self.clock.wait_for(op.key)  # type: ignore[arg-type]
+            # with clipping, the coefficient of the iteration these gradients are of
+            coef = await e.clip.coef(op.t - 1) if e.clip is not None else None
             full = None
             grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
             skipped = e.delayed_skips.pop(op.layer, ())
@@ -98,7 +102,7 @@ class OptimizerWorker(Actor):
 
         def work() -> None:
             step_unit(e, grads, ou, otail, pu, ptail, op.step,
-                      counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now)
+                      counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now, clip=coef)
             if full is not None and e.vertical and n_del:
                 # into the layer's delayed parameter share (stale now) and its spare room
                 scatter([full[n_now:n]], e.delayed_grads[op.layer])
@@ -157,6 +161,7 @@ def step_unit(
     counts: list[int | None] | None = None,
     layer: int = 0,
     first: int = 0,
+    clip: torch.Tensor | None = None,
 ) -> None:
     """Blocking: AdamW on one part of one layer, its state split between the CPU head and
     the staged SSD tail, its gradient one tensor or consecutive pieces; then the new
@@ -164,7 +169,9 @@ def step_unit(
     gradient is read in full before any parameter is written (it may live in the memory of
     the delayed parameters it updates). `counts`: per parameter of the layer, its own step
     count, None to leave it (`Kernels.layer_steps`; the part starts at element `first` of
-    the layer); without them every element takes `step`."""
+    the layer); without them every element takes `step`. `clip`: the coefficient of global-
+    norm clipping, which scales the gradient (in place) first."""
+    scale(grads if isinstance(grads, list) else [grads], clip)
     ostore, pstore = e.stores["opt"], e.stores["param"]
     pieces = [ostore.head(ou)]
     if otail is not None:
@@ -208,7 +215,7 @@ def flush_delayed(e: Engine) -> None:
         e.flush_partial = True  # from here the CPU copies change in place
         counts = e.kernels.layer_steps(layer, t, e.delayed_skips.pop(layer, ()))
         step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t,
-                  counts=counts, layer=layer, first=n_now)
+                  counts=counts, layer=layer, first=n_now, clip=None if e.clip is None else e.clip.coefs[t - 1])
         if ou.tail_n:
             ostore.write_tail(ou, obuf)
         if pu.tail_n:

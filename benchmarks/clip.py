@@ -1,0 +1,106 @@
+"""What clipping by the global gradient norm costs: seconds per iteration of three trainers
+of one model, side by side in one process, rounds interleaved:
+  - `alpha0`: no clipping, every step right after its layer's backward (alpha = 0);
+  - `alpha1`: no clipping, every step delayed into the next iteration (alpha = 1);
+  - `clip`: alpha = 1 and `AdamW(max_grad_norm=...)`, a bound every step's norm exceeds.
+`clip / alpha1` is what the norms and the wait for them cost; `alpha1 / alpha0` what
+delaying every step costs, which clipping needs.
+
+    python benchmarks/clip.py [--layers 8] [--width 512] [--seq 128] [--micro-batches 4]
+                              [--micro-batch-size 2] [--placement 0.5,0.5,0.5] [--rounds 6]
+                              [--steps 2]   # ~3 min on 2 cores
+
+CPU device unless CUDA is present. Each trainer takes one warm-up step, then per round each
+runs `--steps` steps, in an order that rotates. Reports medians over rounds of seconds per
+iteration and the ratios. Writes benchmarks/results/<--name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+
+from common import (  # type: ignore[import-not-found]
+    SCRATCH,
+    add_model_args,
+    checked_device,
+    gpt_config,
+    machine,
+    make_batches,
+    make_model,
+    on_worker,
+    save,
+)
+
+from snake import AdamW, Placement, SnakeConfig, SnakeTrainer
+
+WAYS = {
+    "alpha0": dict(alpha=0.0, optimizer=AdamW(lr=1e-4)),
+    "alpha1": dict(alpha=1.0, optimizer=AdamW(lr=1e-4)),
+    "clip": dict(alpha=1.0, optimizer=AdamW(lr=1e-4, max_grad_norm=0.01)),
+}
+
+
+def _placement(text: str) -> Placement:
+    param, ckpt, opt = (float(x) for x in text.split(","))
+    return Placement(param=param, ckpt=ckpt, opt=opt)
+
+
+async def measure(args: argparse.Namespace, device: str) -> dict:
+    cfg = gpt_config(args.layers, args.width, args.seq)
+    rows = args.micro_batches * args.micro_batch_size
+    data = on_worker(make_batches, cfg, rows, args.seq, 1 + args.rounds * args.steps)
+    trainers = {}
+    for name, kw in WAYS.items():
+        config = SnakeConfig(micro_batches=args.micro_batches, offload_dir=SCRATCH / f"clip-{name}",
+                             placement=args.placement, device=device, **kw)  # type: ignore[arg-type]
+        trainers[name] = SnakeTrainer(on_worker(make_model, cfg), data=data, config=config)
+    times: dict[str, list[float]] = {name: [] for name in WAYS}
+    norms: list[float] = []
+    try:
+        for t in trainers.values():
+            await t.run(1)  # warm-up (and setup)
+        names = list(WAYS)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                report = await trainers[name].run(args.steps)
+                times[name].append(report.seconds / args.steps)
+                if name == "clip":
+                    norms += [s.grad_norm for s in report.steps]
+            print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in WAYS), flush=True)
+    finally:
+        for t in trainers.values():
+            await t.close()
+    med = {name: statistics.median(v) for name, v in times.items()}
+    return {
+        "times": times, "median_s": med, "clip_norms": norms,
+        "clip_over_alpha1": med["clip"] / med["alpha1"],
+        "alpha1_over_alpha0": med["alpha1"] / med["alpha0"],
+        "clip_over_alpha0": med["clip"] / med["alpha0"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap, layers=8, width=512, seq=128)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=2, help="steps per trainer and round")
+    ap.add_argument("--placement", type=_placement, default=Placement(param=0.5, ckpt=0.5, opt=0.5),
+                    help="param,ckpt,opt CPU shares")
+    ap.add_argument("--name", default="clip", help="results/<name>.json")
+    args = ap.parse_args()
+    device = checked_device(args, ("micro_batches", "micro_batch_size", "rounds", "steps"))
+    result = asyncio.run(measure(args, device))
+    for k, v in result.items():
+        if k not in ("times", "clip_norms"):
+            print(f"{k}: {v}")
+    print(f"clip norms (every one above the bound 0.01): min {min(result['clip_norms']):.3f}")
+    args.placement = str(args.placement)
+    print(f"saved {save(args.name, {'machine': machine(), 'args': vars(args), **result})}")
+
+
+if __name__ == "__main__":
+    main()
