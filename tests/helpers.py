@@ -213,3 +213,32 @@ def kinds_parts(model: torch.nn.Module) -> ModelParts:
     """ModelParts of a model with `embed`, `layers` and `head` (KindsLM, StackLM)."""
     return ModelParts(model=model, blocks=list(model.layers), blocks_prefix="layers",
                       pre=lambda m, i: m.embed(i), post=lambda m, h: m.head(h))
+
+
+# factors far apart from step to step: a share stepped with another iteration's rate is off
+# by about lr per element, a thousand times the tests' tolerance
+STEEP = (1.0, 0.1, 2.0, 0.0, 0.5, 1.5)
+
+
+def steep(i: int) -> float:
+    return STEEP[i]
+
+
+def norms_and_position_table(name: str, p: torch.Tensor) -> bool:
+    """A no_decay for the tiny GPT: 1-D parameters (inside layers and resident) and the
+    position table (resident)."""
+    return p.dim() < 2 or name == "wpe.weight"
+
+
+def optimizer_options():
+    """Each optimizer option against plain PyTorch: (snake's AdamW arguments, the
+    reference's arguments, alpha). A weight decay of 0.5: a weight decayed or not differs by
+    far more than the tolerance; clipping at 0.3, below every norm of the tests' models."""
+    from snake import AdamW
+
+    return {
+        "lr_schedule": (AdamW(lr_schedule=steep), dict(lr_lambda=steep), 0.3),
+        "no_decay": (AdamW(weight_decay=0.5, no_decay=norms_and_position_table),
+                     dict(wd=0.5, no_decay=norms_and_position_table), 0.3),
+        "max_grad_norm": (AdamW(max_grad_norm=0.3), dict(max_norm=0.3), 1.0),
+    }

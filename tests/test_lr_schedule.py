@@ -13,18 +13,9 @@ import torch
 
 from snake import AdamW, ConfigError, Placement, SnakeConfig, SnakeTrainer
 from snake.lr import WarmupConstant, WarmupCosine, WarmupLinear, describe
-from tests.helpers import assert_close_state, batches, mixed_reference, reference, tiny_gpt, train
+from tests.helpers import STEEP, assert_close_state, batches, reference, steep, tiny_gpt, train
 
 MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
-# factors far apart from step to step: a share stepped with another iteration's rate is off
-# by about lr per element, a thousand times the tolerance
-STEEP = (1.0, 0.1, 2.0, 0.0, 0.5, 1.5)
-
-
-def steep(i: int) -> float:
-    return STEEP[i]
-
-
 @pytest.mark.parametrize("warmup", [0, 1, 4])
 @pytest.mark.parametrize("total", [1, 7, 20])
 def test_factors_are_transformers_own_within_the_schedule(warmup, total):
@@ -91,34 +82,6 @@ async def test_the_schedule_changes_the_weights(tmp_path):
                             optimizer=AdamW(lr_schedule=steep))
     with pytest.raises(AssertionError):
         assert_close_state(got, constant)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
-async def test_the_resident_state_on_ssd_steps_with_the_schedule(tmp_path, monkeypatch, schedule):
-    """The embeddings' and head's step (here chunk by chunk from SSD) takes the rate too."""
-    monkeypatch.setattr("snake.memory.RESIDENT_CHUNK_ELEMS", 1024)
-    model = tiny_gpt(n_layer=2, bias=False)
-    data = batches(4, 4)
-    want, _ = reference(model, data, 2, lr_lambda=steep)
-    got, _, _ = await train(model, data, 4, micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.3,
-                            schedule=schedule, resident_optimizer="ssd", optimizer=AdamW(lr_schedule=steep))
-    assert_close_state(got, want)
-
-
-@pytest.mark.asyncio
-async def test_bf16_with_a_schedule_is_plain_mixed_precision(tmp_path):
-    """A bf16 model (untied: a tied weight's two gradients are summed in fp32 by snake, not
-    bitwise PyTorch's) with fp32 gates held with pre/post: every rate, to the bit as measured."""
-    from tests.test_parity import _gated_model, _gated_parts
-
-    model = _gated_model()
-    data = batches(4, 4)
-    cos = WarmupCosine(total_steps=4, warmup_steps=1, min_ratio=0.1)
-    want = mixed_reference(model, data, 2, lr_lambda=cos)
-    got, _, _ = await train(_gated_parts(model), data, 4, micro_batches=2, offload_dir=tmp_path, placement=MIXED,
-                            alpha=0.3, dtype="bfloat16", optimizer=AdamW(lr_schedule=cos))
-    assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.asyncio

@@ -10,15 +10,17 @@ import torch
 
 from snake import AdamW, ConfigError, Placement, SnakeConfig, SnakeTrainer
 from snake.optim import biases_and_norms, decay_flags
-from tests.helpers import assert_close_state, batches, mixed_reference, reference, tiny_gpt, train
+from tests.helpers import (
+    assert_close_state,
+    batches,
+    norms_and_position_table,
+    reference,
+    tiny_gpt,
+    train,
+)
 
 MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
 WD = 0.5  # large, so that a weight decayed or not differs by far more than the tolerance
-
-
-def norms_and_head(name: str, p: torch.Tensor) -> bool:
-    """1-D parameters and the position table: both in the resident set and inside layers."""
-    return p.dim() < 2 or name == "wpe.weight"
 
 
 @pytest.mark.asyncio
@@ -32,10 +34,10 @@ def norms_and_head(name: str, p: torch.Tensor) -> bool:
 async def test_matches_torch_adamw_with_two_groups(tmp_path, schedule, alpha, placement):
     model = tiny_gpt(n_layer=3, bias=False)
     data = batches(3, 4)
-    want, want_losses = reference(model, data, 2, wd=WD, no_decay=norms_and_head)
+    want, want_losses = reference(model, data, 2, wd=WD, no_decay=norms_and_position_table)
     got, report, _ = await train(model, data, 3, micro_batches=2, offload_dir=tmp_path, placement=placement,
                                  alpha=alpha, schedule=schedule,
-                                 optimizer=AdamW(weight_decay=WD, no_decay=norms_and_head))
+                                 optimizer=AdamW(weight_decay=WD, no_decay=norms_and_position_table))
     assert_close_state(got, want)
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
 
@@ -51,29 +53,6 @@ async def test_the_groups_change_the_weights(tmp_path):
                             optimizer=AdamW(weight_decay=WD, no_decay=biases_and_norms))
     different = [k for k in got if not torch.allclose(got[k], all_decay[k], rtol=1e-5, atol=1e-6)]
     assert sorted(different) == sorted(k for k, v in got.items() if v.dim() < 2)  # the norms' weights
-
-
-@pytest.mark.asyncio
-async def test_the_resident_state_on_ssd_keeps_the_groups(tmp_path, monkeypatch):
-    monkeypatch.setattr("snake.memory.RESIDENT_CHUNK_ELEMS", 1024)
-    model = tiny_gpt(n_layer=2, bias=False)
-    data = batches(3, 4)
-    want, _ = reference(model, data, 2, wd=WD, no_decay=norms_and_head)
-    got, _, _ = await train(model, data, 3, micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.3,
-                            resident_optimizer="ssd", optimizer=AdamW(weight_decay=WD, no_decay=norms_and_head))
-    assert_close_state(got, want)
-
-
-@pytest.mark.asyncio
-async def test_bf16_with_groups_is_plain_mixed_precision(tmp_path):
-    from tests.test_parity import _gated_model, _gated_parts
-
-    model = _gated_model()
-    data = batches(3, 4)
-    want = mixed_reference(model, data, 2, wd=WD, no_decay=biases_and_norms)
-    got, _, _ = await train(_gated_parts(model), data, 3, micro_batches=2, offload_dir=tmp_path, placement=MIXED,
-                            alpha=0.3, dtype="bfloat16", optimizer=AdamW(weight_decay=WD, no_decay=biases_and_norms))
-    assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.asyncio

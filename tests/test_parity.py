@@ -18,6 +18,7 @@ from tests.helpers import (
     batches,
     kinds_parts,
     mixed_reference,
+    optimizer_options,
     reference,
     tiny_gpt,
     train,
@@ -741,6 +742,24 @@ async def test_what_a_bf16_model_keeps_in_fp32_stays_fp32(tmp_path, schedule, fr
     assert set(_SEEN_DTYPES) == {(torch.float32, torch.float32)}
     assert_close_state({k: got[k] for k in want}, want, rtol=0, atol=1e-6)
     assert torch.equal(got["layers.1.route_bias"], model.layers[1].route_bias)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("option", sorted(optimizer_options()))
+async def test_each_optimizer_option_in_bf16_is_plain_mixed_precision(tmp_path, option):
+    """A learning-rate schedule, parameters without weight decay, clipping (of the fp32
+    gradients): plain PyTorch mixed precision's weights with torch's AdamW so set, in a bf16
+    model (untied: snake sums a tied weight's two gradients in fp32) whose fp32 gates are
+    held with pre/post. Clipping's norm is summed in another order than torch's, which may
+    move the coefficient's last bit: within rtol 1e-5."""
+    opt, ref, alpha = optimizer_options()[option]
+    model = _gated_model()
+    data = batches(4, 4)
+    want = mixed_reference(model, data, 2, **ref)
+    got, _, _ = await train(_gated_parts(model), data, 4, micro_batches=2, offload_dir=tmp_path,
+                            placement=Placement(param=0.5, ckpt=0.3, opt=0.6), alpha=alpha, dtype="bfloat16",
+                            optimizer=opt)
+    assert_close_state({k: got[k] for k in want}, want, rtol=1e-5 if option == "max_grad_norm" else 0, atol=1e-6)
 
 
 @pytest.mark.asyncio

@@ -19,7 +19,7 @@ from snake.memory import (
     resident_chunk,
     resident_host_bytes,
 )
-from tests.helpers import assert_close_state, batches, reference, tiny_gpt, train
+from tests.helpers import assert_close_state, batches, optimizer_options, reference, tiny_gpt, train
 from tests.test_fault_injection import _bin_fds, _snake_threads
 
 MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
@@ -519,3 +519,18 @@ async def test_the_stop_event_ends_both_chunked_steps(tmp_path, small_chunks):
             t.engine.stop.set()
             with pytest.raises(Stopped):
                 step(list(range(len(k.res_shapes))), 2)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("option", sorted(optimizer_options()))
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_each_optimizer_option_steps_the_state_on_ssd(tmp_path, small_chunks, option, schedule):
+    """A learning-rate schedule, parameters without weight decay, clipping: the embeddings'
+    and head's step chunk by chunk from SSD takes each as torch's AdamW does."""
+    opt, ref, alpha = optimizer_options()[option]
+    model = tiny_gpt(n_layer=2, bias=False)
+    data = batches(4, 4)
+    want, _ = reference(model, data, 2, **ref)
+    got, _, _ = await train(model, data, 4, micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=alpha,
+                            schedule=schedule, resident_optimizer="ssd", optimizer=opt)
+    assert_close_state(got, want)
