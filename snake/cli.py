@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -94,7 +95,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=_count, default=0, metavar="N",
                    help="raise the rate linearly from 0 over the first N steps")
     p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
-                   help="clip the gradients to this global norm before each step (needs --alpha 1, its default then)")
+                   help="clip the gradients to this global norm before each step (needs --alpha 1, its default "
+                        "then); inf: report each step's norm without clipping")
     p.add_argument("--decay-steps", type=positive_int, default=None, metavar="N",
                    help="the step at which linear or cosine reaches 0 (default: this run's last step; "
                         "give the same N to a --resume run to continue one schedule)")
@@ -174,7 +176,7 @@ def _lr_schedule(args: argparse.Namespace) -> Any:
 def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
     return SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
-        alpha=args.alpha if args.alpha is not None else 1.0 if args.max_grad_norm is not None else 0.25,
+        alpha=args.alpha if args.alpha is not None else 1.0 if args.max_grad_norm not in (None, math.inf) else 0.25,
         optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args), max_grad_norm=args.max_grad_norm),
         dtype=args.dtype,
         device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,

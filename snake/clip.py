@@ -10,12 +10,14 @@ completes"). Each layer's per-parameter norms are taken as its gradient complete
 device mover's copy thread (`add_layer`); at the iteration's end the compute actor waits
 for them all (`layers_in`) and, on its thread, adds the resident parameters' norms and
 computes the coefficient (`finish`), which the next iteration's delayed steps (and a
-flush) wait for (`coef`) and multiply their gradients by.
+flush) wait for (`coef`) and multiply their gradients by. With `max_grad_norm=math.inf` the
+norm is measured the same way, at any alpha, and no step waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import torch
 
@@ -32,6 +34,7 @@ class GradClip:
 
     def __init__(self, max_norm: float, parts: ModelParts) -> None:
         self.max_norm = float(max_norm)
+        self.clips = math.isfinite(self.max_norm)  # math.inf: the norm is measured, nothing waits for it
         self.n_layers = len(parts.blocks)
         # per trained parameter in the model's order (tied ones once): (layer, index in its
         # flat state), or (-1, index in the resident lists)

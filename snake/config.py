@@ -86,8 +86,14 @@ class AdamW:
     no_decay: Callable[[str, Any], bool] | None = None
     # clip the gradients by their global 2-norm before each step, as
     # torch.nn.utils.clip_grad_norm_(params, max_grad_norm) does (snake.clip); needs
-    # alpha = 1 (every step waits for the whole iteration's gradient). None: no clipping
+    # alpha = 1 (every step waits for the whole iteration's gradient). math.inf: only
+    # measure the norm (StepReport.grad_norm), at any alpha. None: neither
     max_grad_norm: float | None = None
+
+    @property
+    def clips(self) -> bool:
+        """Whether the gradients are clipped (a finite max_grad_norm)."""
+        return self.max_grad_norm is not None and math.isfinite(self.max_grad_norm)
 
     def lr_at(self, step: int) -> float:
         """The rate of AdamW step count `step` (1-based): lr times the schedule's factor at
@@ -110,9 +116,10 @@ class AdamW:
         if not (_finite(self.weight_decay) and self.weight_decay >= 0):
             raise ConfigError("optimizer.weight_decay", self.weight_decay, "must be a finite number >= 0")
         g = self.max_grad_norm
-        if g is not None and not (_finite(g) and g > 0):
-            raise ConfigError("optimizer.max_grad_norm", g, "must be a finite number > 0 or None",
-                              "the largest global gradient norm a step takes, e.g. 1.0")
+        if g is not None and not (_number(g) and g > 0):
+            raise ConfigError("optimizer.max_grad_norm", g, "must be a number > 0, math.inf or None",
+                              "the largest global gradient norm a step takes, e.g. 1.0; math.inf measures "
+                              "the norm without clipping")
         if self.no_decay is not None and not callable(self.no_decay):
             raise ConfigError(
                 "optimizer.no_decay", self.no_decay, "must be a callable or None",
@@ -203,7 +210,7 @@ class SnakeConfig:
             raise ConfigError("alpha", a, "must be in [0, 1]", "delayed share of the optimizer step; None lets the planner choose")
         if not isinstance(self.optimizer, AdamW):
             raise ConfigError("optimizer", self.optimizer, "must be a snake.AdamW")
-        if self.optimizer.max_grad_norm is not None and a is not None and a != 1.0:
+        if self.optimizer.clips and a is not None and a != 1.0:
             raise ConfigError(
                 "alpha", a, f"must be 1.0 (or None) with optimizer.max_grad_norm={self.optimizer.max_grad_norm}",
                 "clipping needs the whole iteration's gradient before any step: alpha=1.0 delays every "

@@ -108,8 +108,8 @@ class Engine:
         # per layer, the parameters (by index) its pending delayed step leaves: those without
         # a gradient in the iteration its gradient is of (Kernels.take_skipped)
         self.delayed_skips: dict[int, tuple[int, ...]] = {}
-        # clipping by the global gradient norm (AdamW.max_grad_norm, at alpha = 1): the
-        # norms and coefficients of the iterations in flight
+        # clipping by the global gradient norm (AdamW.max_grad_norm, at alpha = 1), or with
+        # max_grad_norm=inf only the norm: the norms and coefficients of the iterations in flight
         mg = config.optimizer.max_grad_norm
         self.clip = GradClip(mg, parts) if mg is not None else None
         self.failed = False

@@ -173,3 +173,7 @@ def test_max_grad_norm_clips_with_every_step_delayed(tmp_path):
     assert [s["grad_norm"] for s in plain["steps"]] == [None] * 4
     assert clipped["steps"][0]["loss"] == plain["steps"][0]["loss"]  # the first step's loss is before any step
     assert clipped["steps"][-1]["loss"] != plain["steps"][-1]["loss"]
+    # inf: the norm only, at the default alpha, and the losses of the run without it
+    measured, default = train("measured", "--max-grad-norm", "inf"), train("default")
+    assert measured["config"]["alpha"] == 0.25 and all(s["grad_norm"] > 0 for s in measured["steps"])
+    assert [s["loss"] for s in measured["steps"]] == [s["loss"] for s in default["steps"]]

@@ -86,7 +86,7 @@ class OptimizerWorker(Actor):
         else:
             await self.clock.wait_for(op.key)  # type: ignore[arg-type]
             # with clipping, the coefficient of the iteration these gradients are of
-            coef = await e.clip.coef(op.t - 1) if e.clip is not None else None
+            coef = await e.clip.coef(op.t - 1) if e.clip is not None and e.clip.clips else None
             full = None
             grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
             skipped = e.delayed_skips.pop(op.layer, ())
@@ -215,7 +215,7 @@ def flush_delayed(e: Engine) -> None:
         e.flush_partial = True  # from here the CPU copies change in place
         counts = e.kernels.layer_steps(layer, t, e.delayed_skips.pop(layer, ()))
         step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t,
-                  counts=counts, layer=layer, first=n_now, clip=None if e.clip is None else e.clip.coefs[t - 1])
+                  counts=counts, layer=layer, first=n_now, clip=e.clip.coefs[t - 1] if e.clip is not None and e.clip.clips else None)
         if ou.tail_n:
             ostore.write_tail(ou, obuf)
         if pu.tail_n:
