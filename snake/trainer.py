@@ -425,6 +425,13 @@ class SnakeTrainer:
                + ("; resident_optimizer='ssd' puts the embeddings' and head's optimizer state on SSD "
                   f"({fmt_bytes(resident_host_bytes(shape.resident_params, False, kind == 'cuda'))} of CPU memory now)"
                   if cfg.resident_optimizer == "cpu" and shape.resident_params else ""))
+        if cfg.optimizer.clips and cfg.schedule == "vertical":  # alpha = 1: what holding every gradient costs
+            kw = dict(n_micro=m, schedule=cfg.schedule, workers=cfg.optimizer_workers, param=p.param, ckpt=p.ckpt,
+                      opt=p.opt, device_type=kind, resident_on_ssd=cfg.resident_optimizer == "ssd")
+            held = need - placement_bytes(shape, alpha=0.0, **kw)  # type: ignore[arg-type]
+            if held > 0:
+                fix += (f"; clipping (optimizer.max_grad_norm) holds every layer's fp32 gradient until its step, "
+                        f"{fmt_bytes(held)} of the need (without clipping, alpha=0.0 needs none of it)")
         if need > have:
             other = off_budget_bytes(shape, n_micro=m, device_type=kind)
             raise ConfigError(

@@ -45,7 +45,7 @@ def _train(tmp_path, capsys, *extra: str) -> tuple[int, str]:
         (["--lr", "-1"], "snake train: optimizer.lr=-1.0 must be"),
         (["--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
         (["--max-grad-norm", "1", "--alpha", "0.5"], "snake train: alpha=0.5 must be 1.0 (or None) with optimizer.max_grad_norm=1.0"),
-        (["--max-grad-norm", "0"], "snake train: optimizer.max_grad_norm=0.0 must be a finite number > 0"),
+        (["--max-grad-norm", "0"], "snake train: optimizer.max_grad_norm=0.0 must be a number > 0, math.inf or None"),
         (["--warmup-steps", "-1"], "argument --warmup-steps:"),
         (["--decay-steps", "0"], "argument --decay-steps: 0 must be an integer >= 1"),
         (["--lr-schedule", "cosine", "--warmup-steps", "2"], "snake train: --warmup-steps=2 must be <= the decay's 1 steps"),
