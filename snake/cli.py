@@ -26,6 +26,7 @@ from snake.config import MAX_SEED, RESIDENT_TIERS, STORAGE_BACKENDS, AdamW, Plac
 from snake.errors import ActorFailed, ConfigError, SnakeError
 from snake.lr import SCHEDULES as LR_SCHEDULES
 from snake.lr import WarmupConstant, describe
+from snake.optim import biases_and_norms
 
 if TYPE_CHECKING:
     from snake.models import GPTConfig
@@ -94,6 +95,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="the rate after --warmup-steps: constant, or decaying to 0 at --decay-steps")
     p.add_argument("--warmup-steps", type=_count, default=0, metavar="N",
                    help="raise the rate linearly from 0 over the first N steps")
+    p.add_argument("--no-decay-norms", action="store_true",
+                   help="no weight decay for biases and norms' weights (snake.optim.biases_and_norms)")
     p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
                    help="clip the gradients to this global norm before each step (needs --alpha 1, its default "
                         "then); inf: report each step's norm without clipping")
@@ -177,7 +180,8 @@ def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
     return SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
         alpha=args.alpha if args.alpha is not None else 1.0 if args.max_grad_norm not in (None, math.inf) else 0.25,
-        optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args), max_grad_norm=args.max_grad_norm),
+        optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args), max_grad_norm=args.max_grad_norm,
+                        no_decay=biases_and_norms if args.no_decay_norms else None),
         dtype=args.dtype,
         device=args.device, schedule=args.schedule, seed=args.seed, storage_backend=args.storage_backend,
         resident_optimizer=args.resident_optimizer,

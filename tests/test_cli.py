@@ -177,3 +177,27 @@ def test_max_grad_norm_clips_with_every_step_delayed(tmp_path):
     measured, default = train("measured", "--max-grad-norm", "inf"), train("default")
     assert measured["config"]["alpha"] == 0.25 and all(s["grad_norm"] > 0 for s in measured["steps"])
     assert [s["loss"] for s in measured["steps"]] == [s["loss"] for s in default["steps"]]
+
+
+def test_no_decay_norms_leaves_the_norms_undecayed(tmp_path):
+    """--no-decay-norms: the report names the filter, and after one step only 1-D weights
+    differ from a run that decays every weight: the norms' (the biases start at 0, which
+    decay leaves at 0)."""
+    from safetensors.torch import load_file
+
+    def train(name: str, *extra: str) -> dict:
+        out, ck = tmp_path / f"out-{name}", tmp_path / f"ck-{name}"
+        assert main(["train", "--steps", "1", "--out", str(out), "--offload-dir", str(tmp_path / f"off-{name}"),
+                     "--checkpoint", str(ck), "--eval-batches", "0", *SMALL, *extra]) == 0
+        masters = {}
+        for f in ck.glob("*.safetensors"):
+            masters.update({k: v for k, v in load_file(f).items() if k.startswith("master/")})
+        return json.loads((out / "report.json").read_text()), masters
+
+    report, groups = train("groups", "--no-decay-norms")
+    _, all_decay = train("all")
+    assert report["config"]["optimizer"]["no_decay"] == {"kind": "callable", "name": "biases_and_norms"}
+    assert groups.keys() == all_decay.keys() and len(groups) > 10
+    differ = {k for k in groups if not torch.equal(groups[k], all_decay[k])}
+    assert differ == {k for k, v in groups.items() if v.dim() < 2 and not k.endswith(".bias")}
+    assert "master/ln_f.weight" in differ and "master/blocks.1.ln_2.weight" in differ
