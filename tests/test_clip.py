@@ -76,9 +76,9 @@ async def test_parameters_without_a_gradient_are_left_and_the_rest_clipped(tmp_p
 @pytest.mark.asyncio
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 async def test_runs_and_checkpoints_in_between_go_on_bitwise(tmp_path, schedule):
-    """The last iteration's steps wait for its coefficient into the next run, or a save
-    applies them with it: 2 steps, save, load into a new trainer and 2 more, and 1 + 3 steps
-    in one trainer, give the weights of 4 straight."""
+    """The last iteration's steps wait for its coefficient into the next run, or a save (an
+    evaluate) applies them with it: 2 steps, save, load into a new trainer and 2 more, and 1
+    step, evaluate, 3 more in one trainer, give the weights of 4 straight."""
     model = tiny_gpt(n_layer=3, bias=False)
     data = batches(4, 4)
 
@@ -91,6 +91,7 @@ async def test_runs_and_checkpoints_in_between_go_on_bitwise(tmp_path, schedule)
         straight = await t.state_dict()
     async with SnakeTrainer(model, data=data, config=cfg("b")) as t:
         await t.run(1)
+        await t.evaluate(data[:1])  # applies the pending steps with their coefficient, as state_dict does
         await t.run(3)
         twice = await t.state_dict()
     async with SnakeTrainer(model, data=data, config=cfg("c")) as t:
