@@ -66,6 +66,7 @@ from snake.adapters import (
 )
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
+from snake.clip import bound_json
 from snake.config import Placement, SnakeConfig
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
@@ -242,7 +243,7 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         "resident_optimizer": cfg.resident_optimizer,  # informational, as placement (bitwise either way)
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                       "lr_schedule": describe(o.lr_schedule), "no_decay": describe(o.no_decay),
-                      "max_grad_norm": o.max_grad_norm},
+                      "max_grad_norm": bound_json(o.max_grad_norm)},
     }
 
 

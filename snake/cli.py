@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from snake.clip import bound_json
 from snake.config import MAX_SEED, RESIDENT_TIERS, STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
 from snake.errors import ActorFailed, ConfigError, SnakeError
 from snake.lr import SCHEDULES as LR_SCHEDULES
@@ -345,6 +346,7 @@ def _config_dict(config: SnakeConfig) -> dict[str, Any]:
     out = _config_json(asdict(config))
     out["optimizer"]["lr_schedule"] = describe(config.optimizer.lr_schedule)
     out["optimizer"]["no_decay"] = describe(config.optimizer.no_decay)
+    out["optimizer"]["max_grad_norm"] = bound_json(config.optimizer.max_grad_norm)
     return out
 
 

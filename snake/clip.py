@@ -107,3 +107,8 @@ def scale(grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
         return
     for g in grads:
         g.mul_(coef.to(g.device))
+
+
+def bound_json(max_grad_norm: float | None) -> float | str | None:
+    """`max_grad_norm` as a strict JSON value: math.inf as "inf" (JSON has no infinity)."""
+    return "inf" if max_grad_norm == math.inf else max_grad_norm

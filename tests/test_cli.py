@@ -176,6 +176,8 @@ def test_max_grad_norm_clips_with_every_step_delayed(tmp_path):
     # inf: the norm only, at the default alpha, and the losses of the run without it
     measured, default = train("measured", "--max-grad-norm", "inf"), train("default")
     assert measured["config"]["alpha"] == 0.25 and all(s["grad_norm"] > 0 for s in measured["steps"])
+    assert measured["config"]["optimizer"]["max_grad_norm"] == "inf"  # strict JSON: no Infinity
+    json.loads((tmp_path / "measured" / "report.json").read_text(), parse_constant=_no_constant)
     assert [s["loss"] for s in measured["steps"]] == [s["loss"] for s in default["steps"]]
 
 
@@ -201,3 +203,7 @@ def test_no_decay_norms_leaves_the_norms_undecayed(tmp_path):
     differ = {k for k in groups if not torch.equal(groups[k], all_decay[k])}
     assert differ == {k for k, v in groups.items() if v.dim() < 2 and not k.endswith(".bias")}
     assert "master/ln_f.weight" in differ and "master/blocks.1.ln_2.weight" in differ
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} is not JSON")

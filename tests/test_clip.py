@@ -131,6 +131,20 @@ async def test_an_infinite_bound_measures_the_norm_at_any_alpha_and_changes_noth
 
 
 @pytest.mark.asyncio
+async def test_an_infinite_bound_is_written_as_strict_json(tmp_path):
+    def no_constant(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=MIXED, device="cpu",
+                      optimizer=AdamW(max_grad_norm=math.inf))
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(1, 4), config=cfg) as t:
+        await t.run(1)
+        await t.save(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text(), parse_constant=no_constant)
+    assert manifest["config"]["optimizer"]["max_grad_norm"] == "inf"
+
+
+@pytest.mark.asyncio
 async def test_the_planner_picks_alpha_1_for_clipping(tmp_path):
     model = tiny_gpt(n_layer=2, bias=False)
     data = batches(2, 4)
