@@ -242,3 +242,37 @@ def optimizer_options():
                      dict(wd=0.5, no_decay=norms_and_position_table), 0.3),
         "max_grad_norm": (AdamW(max_grad_norm=0.3), dict(max_norm=0.3), 1.0),
     }
+
+
+def schedule_alpha_placement():
+    """The cases the optimizer options' parity tests run: both schedules, a delayed share or
+    none, the state mixed, on SSD or in memory."""
+    from snake import Placement
+
+    mixed = Placement(param=0.5, ckpt=0.3, opt=0.6)
+    return [("vertical", 0.0, mixed), ("vertical", 0.3, mixed), ("vertical", 0.3, Placement.all_ssd()),
+            ("horizontal", 0.3, mixed), ("horizontal", 0.0, Placement.all_cpu())]
+
+
+async def straight_and_resumed(tmp_path, model, data, first: int, second: int, **config):
+    """`first + second` steps in one trainer, and `first` steps, save, load into a new
+    trainer and `second` more (config as SnakeConfig takes it, on the CPU device). Returns
+    (straight state, resumed state, the resumed run's report, the checkpoint's manifest)."""
+    import json
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    def cfg(d):
+        return SnakeConfig(offload_dir=tmp_path / d, device="cpu", **config)
+
+    async with SnakeTrainer(model, data=data, config=cfg("straight")) as t:
+        await t.run(first + second)
+        straight = await t.state_dict()
+    async with SnakeTrainer(model, data=data, config=cfg("first")) as t:
+        await t.run(first)
+        await t.save(tmp_path / "ckpt")
+    async with SnakeTrainer(model, data=data, config=cfg("second")) as t:
+        await t.load(tmp_path / "ckpt")
+        report = await t.run(second)
+        resumed = await t.state_dict()
+    return straight, resumed, report, json.loads((tmp_path / "ckpt" / "manifest.json").read_text())

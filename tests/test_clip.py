@@ -13,7 +13,14 @@ import torch
 
 from snake import ActorFailed, AdamW, ConfigError, Placement, SnakeConfig, SnakeTrainer
 from snake.faults import ActorFaults
-from tests.helpers import assert_close_state, batches, reference, tiny_gpt, train
+from tests.helpers import (
+    assert_close_state,
+    batches,
+    reference,
+    straight_and_resumed,
+    tiny_gpt,
+    train,
+)
 from tests.test_fault_injection import _bin_fds, _snake_threads
 
 MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
@@ -83,31 +90,17 @@ async def test_runs_and_checkpoints_in_between_go_on_bitwise(tmp_path, schedule)
     step, evaluate, 3 more in one trainer, give the weights of 4 straight."""
     model = tiny_gpt(n_layer=3, bias=False)
     data = batches(4, 4)
-
-    def cfg(d):
-        return SnakeConfig(micro_batches=2, offload_dir=tmp_path / d, placement=MIXED, alpha=1.0, device="cpu",
-                           schedule=schedule, optimizer=AdamW(max_grad_norm=CLIPS))
-
-    async with SnakeTrainer(model, data=data, config=cfg("a")) as t:
-        await t.run(4)
-        straight = await t.state_dict()
-    async with SnakeTrainer(model, data=data, config=cfg("b")) as t:
+    kw = dict(micro_batches=2, placement=MIXED, alpha=1.0, schedule=schedule, optimizer=AdamW(max_grad_norm=CLIPS))
+    straight, resumed, _, manifest = await straight_and_resumed(tmp_path, model, data, 2, 2, **kw)
+    async with SnakeTrainer(model, data=data, config=SnakeConfig(offload_dir=tmp_path / "b", device="cpu", **kw)) as t:
         await t.run(1)
         await t.evaluate(data[:1])  # applies the pending steps with their coefficient, as state_dict does
         await t.run(3)
         twice = await t.state_dict()
-    async with SnakeTrainer(model, data=data, config=cfg("c")) as t:
-        await t.run(2)
-        await t.save(tmp_path / "ckpt")
-    async with SnakeTrainer(model, data=data, config=cfg("d")) as t:
-        await t.load(tmp_path / "ckpt")
-        await t.run(2)
-        resumed = await t.state_dict()
     for k in straight:
         assert torch.equal(twice[k], straight[k]), k
         assert torch.equal(resumed[k], straight[k]), k
     assert_close_state(straight, reference(model, data, 2, max_norm=CLIPS)[0])
-    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert manifest["config"]["optimizer"]["max_grad_norm"] == CLIPS
 
 

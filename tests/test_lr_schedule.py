@@ -5,7 +5,6 @@ rate in each step's report, resuming, and bad schedules refused before a run cha
 anything."""
 
 import asyncio
-import json
 import math
 
 import pytest
@@ -13,7 +12,17 @@ import torch
 
 from snake import AdamW, ConfigError, Placement, SnakeConfig, SnakeTrainer
 from snake.lr import WarmupConstant, WarmupCosine, WarmupLinear, describe
-from tests.helpers import STEEP, assert_close_state, batches, reference, steep, tiny_gpt, train
+from tests.helpers import (
+    STEEP,
+    assert_close_state,
+    batches,
+    reference,
+    schedule_alpha_placement,
+    steep,
+    straight_and_resumed,
+    tiny_gpt,
+    train,
+)
 
 MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
 @pytest.mark.parametrize("warmup", [0, 1, 4])
@@ -53,13 +62,7 @@ def test_after_total_steps_the_factor_stays_at_its_end():
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("schedule,alpha,placement", [
-    ("vertical", 0.0, MIXED),
-    ("vertical", 0.3, MIXED),
-    ("vertical", 0.3, Placement.all_ssd()),
-    ("horizontal", 0.3, MIXED),
-    ("horizontal", 0.0, Placement.all_cpu()),
-])
+@pytest.mark.parametrize("schedule,alpha,placement", schedule_alpha_placement())
 async def test_matches_plain_pytorch_with_lambda_lr(tmp_path, schedule, alpha, placement):
     model = tiny_gpt(n_layer=3, bias=False)
     data = batches(5, 4)
@@ -90,27 +93,13 @@ async def test_resuming_goes_on_with_the_schedule_bitwise(tmp_path):
     new trainer and 3 more give the weights of 5 straight (the delayed share pending at the
     save stepped with the rate of its own iteration)."""
     model = tiny_gpt(n_layer=3, bias=False)
-    data = batches(5, 4)
     cos = WarmupCosine(total_steps=5, warmup_steps=2)
-
-    def cfg(d):
-        return SnakeConfig(micro_batches=2, offload_dir=tmp_path / d, placement=MIXED, alpha=0.3, device="cpu",
-                           optimizer=AdamW(lr=2e-3, lr_schedule=cos))
-
-    async with SnakeTrainer(model, data=data, config=cfg("a")) as t:
-        await t.run(5)
-        straight = await t.state_dict()
-    async with SnakeTrainer(model, data=data, config=cfg("b")) as t:
-        await t.run(2)
-        await t.save(tmp_path / "ckpt")
-    async with SnakeTrainer(model, data=data, config=cfg("c")) as t:
-        await t.load(tmp_path / "ckpt")
-        report = await t.run(3)
-        resumed = await t.state_dict()
+    straight, resumed, report, manifest = await straight_and_resumed(
+        tmp_path, model, batches(5, 4), 2, 3, micro_batches=2, placement=MIXED, alpha=0.3,
+        optimizer=AdamW(lr=2e-3, lr_schedule=cos))
     assert [s.lr for s in report.steps] == [2e-3 * cos(i) for i in (2, 3, 4)]
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
-    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert manifest["config"]["optimizer"]["lr_schedule"] == {
         "kind": "cosine", "total_steps": 5, "warmup_steps": 2, "min_ratio": 0.0}
 

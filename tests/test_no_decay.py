@@ -3,7 +3,6 @@ with the two parameter groups, for every schedule, placement and delay ratio, fo
 layers (cut at their parameters' boundaries) and the resident ones alike; bad filters
 refused when the trainer is made."""
 
-import json
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from tests.helpers import (
     batches,
     norms_and_position_table,
     reference,
+    schedule_alpha_placement,
+    straight_and_resumed,
     tiny_gpt,
     train,
 )
@@ -24,13 +25,7 @@ WD = 0.5  # large, so that a weight decayed or not differs by far more than the 
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("schedule,alpha,placement", [
-    ("vertical", 0.0, MIXED),
-    ("vertical", 0.3, MIXED),
-    ("vertical", 0.3, Placement.all_ssd()),
-    ("horizontal", 0.3, MIXED),
-    ("horizontal", 0.0, Placement.all_cpu()),
-])
+@pytest.mark.parametrize("schedule,alpha,placement", schedule_alpha_placement())
 async def test_matches_torch_adamw_with_two_groups(tmp_path, schedule, alpha, placement):
     model = tiny_gpt(n_layer=3, bias=False)
     data = batches(3, 4)
@@ -108,24 +103,9 @@ def test_a_filter_that_is_not_callable_is_refused():
 
 @pytest.mark.asyncio
 async def test_resuming_keeps_the_groups_bitwise(tmp_path):
-    model = tiny_gpt(n_layer=2, bias=False)
-    data = batches(4, 4)
-
-    def cfg(d):
-        return SnakeConfig(micro_batches=2, offload_dir=tmp_path / d, placement=MIXED, alpha=0.3, device="cpu",
-                           optimizer=AdamW(weight_decay=WD, no_decay=biases_and_norms))
-
-    async with SnakeTrainer(model, data=data, config=cfg("a")) as t:
-        await t.run(4)
-        straight = await t.state_dict()
-    async with SnakeTrainer(model, data=data, config=cfg("b")) as t:
-        await t.run(2)
-        await t.save(tmp_path / "ckpt")
-    async with SnakeTrainer(model, data=data, config=cfg("c")) as t:
-        await t.load(tmp_path / "ckpt")
-        await t.run(2)
-        resumed = await t.state_dict()
+    straight, resumed, _, manifest = await straight_and_resumed(
+        tmp_path, tiny_gpt(n_layer=2, bias=False), batches(4, 4), 2, 2, micro_batches=2, placement=MIXED, alpha=0.3,
+        optimizer=AdamW(weight_decay=WD, no_decay=biases_and_norms))
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
-    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert manifest["config"]["optimizer"]["no_decay"] == {"kind": "callable", "name": "biases_and_norms"}
