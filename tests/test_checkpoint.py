@@ -213,15 +213,19 @@ async def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch
             await t.save(tmp_path / "ckpt3")
             await t.save(tmp_path / "ckpt3")
             at_three = await t.state_dict()
-        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "d")) as t:
-            await t.load(where)
-            assert_equal_state(await t.state_dict(), at_two)
-        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "e")) as t:
-            await t.load(tmp_path / "ckpt3")
-            assert_equal_state(await t.state_dict(), at_three)
-            assert t.engine is not None and t.engine.next_t == 3
+        await _each_loads(tmp_path, data, {where: (at_two, 2), tmp_path / "ckpt3": (at_three, 3)})
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+async def _each_loads(tmp_path, data, checkpoints: dict) -> None:
+    """Each checkpoint (directory -> (state, step)) loads into a new trainer of other
+    initial weights with the state and step it was saved with."""
+    for i, (where, (state, step)) in enumerate(checkpoints.items()):
+        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, f"load{i}")) as t:
+            await t.load(where)
+            assert_equal_state(await t.state_dict(), state)
+            assert t.engine is not None and t.engine.next_t == step
 
 
 @pytest.mark.asyncio
@@ -261,12 +265,7 @@ async def test_a_cancelled_save_stops_at_its_next_file_and_keeps_the_last_checkp
             monkeypatch.setattr(ckpt, "_write_tensors", real)
             await t.save(tmp_path / "ckpt3")
             at_three = await t.state_dict()
-        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "d")) as t:
-            await t.load(where)
-            assert_equal_state(await t.state_dict(), at_two)
-        async with SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "e")) as t:
-            await t.load(tmp_path / "ckpt3")
-            assert_equal_state(await t.state_dict(), at_three)
+        await _each_loads(tmp_path, data, {where: (at_two, 2), tmp_path / "ckpt3": (at_three, 3)})
 
     await asyncio.wait_for(body(), TIMEOUT)
 
