@@ -222,15 +222,19 @@ class SnakeTrainer:
             out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
         return out
 
-    async def evaluate(self, data: Any, *, max_batches: int | None = None) -> EvalReport:
+    async def evaluate(self, data: Any, *, max_batches: int | None = None,
+                       batches_per_pass: int | None = None) -> EvalReport:
         """The validation loss of the current weights: the mean cross-entropy over every
         target token (not -100) of `data`'s (inputs, targets) batches, or of its first
         `max_batches`; forward only, dropout off, streamed layer by layer. Batches of any
         size and length (each cut into micro-batches of at most the training one's rows).
+        Each pass over the model takes as many batches as the CPU memory training leaves
+        idle between runs holds (at least one), or at most `batches_per_pass`, which may
+        also go beyond that memory (the batches past it in memory of their own).
         Changes nothing: a run after it goes on as without it. See snake.evaluate."""
         from snake.evaluate import evaluate_model
 
-        return await evaluate_model(self, data, max_batches)
+        return await evaluate_model(self, data, max_batches, batches_per_pass)
 
     async def save(self, directory: Any) -> None:
         """Write a checkpoint to `directory` (atomically; see snake.checkpoint): fp32 master

@@ -78,11 +78,15 @@ async def test_matches_pytorch_eval_of_the_same_weights(tmp_path, placement, alp
 
 
 @pytest.mark.asyncio
-async def test_evaluating_changes_nothing(tmp_path):
+@pytest.mark.parametrize("placement,schedule", [
+    (MIXED, "vertical"), (Placement.all_cpu(), "vertical"), (Placement.all_cpu(), "horizontal")])
+async def test_evaluating_changes_nothing(tmp_path, placement, schedule):
     """run(1), evaluate, run(1), evaluate gives bitwise the weights of run(2), with delayed
-    steps pending at each evaluate, and the same loss twice over the same data."""
+    steps pending at each evaluate, and the same loss twice over the same data. The
+    evaluation's hidden states overwrite the checkpoint and inter-layer gradient memory it
+    borrows: nothing a run reads there survives from one run to the next."""
     data = batches(3, 4)
-    kw = dict(micro_batches=2, placement=MIXED, alpha=0.3, device="cpu")
+    kw = dict(micro_batches=2, placement=placement, alpha=0.3, device="cpu", schedule=schedule)
     async with SnakeTrainer(tiny_gpt(n_layer=3, dropout=0.1), data=data,
                             config=SnakeConfig(offload_dir=tmp_path / "a", **kw)) as t:
         await t.run(1)
@@ -247,3 +251,77 @@ async def test_an_async_iterable_of_batches_as_run_takes(tmp_path):
         first = await t.evaluate(stream(), max_batches=1)
     assert (streamed.loss, streamed.tokens, streamed.batches) == (listed.loss, listed.tokens, listed.batches)
     assert first.batches == 1 and first.tokens == 3 * 12
+
+
+def many_held(n: int = 5) -> list:
+    """`n` held-out batches of 3 or 5 rows and 12 or 16 tokens."""
+    return [batches(1, 3 + 2 * (i % 2), seq=12 + 4 * (i % 2), seed=20 + i)[0] for i in range(n)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("placement,schedule", [
+    (Placement.all_cpu(), "vertical"), (Placement(param=0.0, ckpt=1.0, opt=0.0), "horizontal")])
+async def test_one_pass_reads_the_model_once_for_the_batches_idle_memory_holds(tmp_path, placement, schedule):
+    """With the checkpoints in CPU memory (idle between runs) one pass takes all three
+    batches (152 tokens; the checkpoints alone hold 192): every layer loaded and run once
+    (the trace's spans say so), where one batch per pass streams the model three times; the
+    same loss, PyTorch's."""
+    model = tiny_gpt(n_layer=3)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=placement, alpha=0.0, schedule=schedule,
+                      device="cpu")
+    held = many_held(3)
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
+        await t.run(2)
+        spans = len(t.trace.spans)
+        grouped = await t.evaluate(held)
+        mine = [s for s in list(t.trace.spans)[spans:]]
+        single = await t.evaluate(held, batches_per_pass=1)
+        two = await t.evaluate(held, max_batches=2)
+        state = await t.state_dict()
+        assert t.engine is not None
+        t.engine.check_pools()  # the borrowed staging buffers came back
+    want, count = torch_eval_loss(model, state, held)
+    assert (grouped.passes, single.passes, two.passes) == (1, 3, 1)
+    assert grouped.batches == single.batches == 3 and two.batches == 2
+    assert grouped.tokens == single.tokens == count
+    assert grouped.loss == pytest.approx(want, rel=1e-6)
+    assert single.loss == pytest.approx(grouped.loss, rel=1e-6)
+    names = [(s.actor, s.name) for s in mine]
+    assert [n for a, n in names if n.startswith("eval fwd")] == [f"eval fwd L{i}" for i in range(3)]
+    assert sum(n.startswith("eval head") for _, n in names) == 3
+    if placement.param < 1:  # the layers are read from the disk, once each
+        assert [n for a, n in names if a == "ssd_read"] == [f"eval read L{i}" for i in range(3)]
+        assert all(s.nbytes > 0 for s in mine if s.actor == "ssd_read")
+
+
+@pytest.mark.asyncio
+async def test_passes_are_as_large_as_the_borrowed_memory_or_batches_per_pass(tmp_path):
+    """Everything on SSD: the staging buffers hold some batches, not all; a pass ends at the
+    first batch that does not fit and that batch starts the next. `batches_per_pass` may go
+    past them (in memory of their own). The loss is the same every way."""
+    model = tiny_gpt(n_layer=3)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=Placement.all_ssd(), alpha=0.0, device="cpu")
+    held = many_held(8)
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
+        await t.run(1)
+        auto = await t.evaluate(held)
+        wide = await t.evaluate(held, batches_per_pass=8)
+        two = await t.evaluate(held, batches_per_pass=2)
+        state = await t.state_dict()
+    want, _ = torch_eval_loss(model, state, held)
+    assert 1 < auto.passes < 8, auto
+    assert (wide.passes, two.passes) == (1, 4)
+    for r in (auto, wide, two):
+        assert r.batches == 8
+        assert r.loss == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_bad_batches_per_pass_is_refused(tmp_path):
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.0, device="cpu")
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(2, 4), config=cfg) as t:
+        for bad in (0, -2, 2.0, True, "3"):
+            with pytest.raises(ConfigError, match="batches_per_pass"):
+                await t.evaluate(held_out(), batches_per_pass=bad)
+        await t.run(1)
+        assert (await t.evaluate(held_out(), batches_per_pass=1)).passes == 2
