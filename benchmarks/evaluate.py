@@ -33,9 +33,11 @@ import time
 import torch
 import torch.nn.functional as F
 from common import (  # type: ignore[import-not-found]
+    RESULTS,
     SCRATCH,
     add_model_args,
     checked_device,
+    figure,
     gpt_config,
     machine,
     make_batches,
@@ -151,6 +153,25 @@ def main() -> None:
         print(f"{k}: {v}")
     args.placement = str(args.placement)
     print(f"saved {save(args.name, {'machine': machine(), 'args': vars(args), **result})}")
+    plot(result, args)
+
+
+def plot(result: dict, args: argparse.Namespace) -> None:
+    """Seconds per global batch of each round, each way, and PyTorch's forward in memory."""
+    fig, (ax,) = figure()
+    ways = ["grouped", "per_batch", "one_slot"]
+    for i, w in enumerate(ways):
+        xs = result["times"][w]
+        ax.scatter([i] * len(xs), xs, label=f"{w} ({result['passes'][w]} passes)")
+    ax.axhline(result["torch_eval_s_per_batch"], color="k", lw=0.8, label="PyTorch eval forward, in memory")
+    ax.set_xticks(range(len(ways)), ways)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("seconds per global batch")
+    cap = f", SSD capped at {args.ssd_mb_per_s:g} MB/s" if args.ssd_mb_per_s else ""
+    ax.set_title(f"evaluate: {args.batches} batches, {args.layers} x {args.width}{cap}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{args.name}.png", dpi=100)
 
 
 if __name__ == "__main__":
