@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 
+from snake.errors import Stopped
 from snake.io.base import ALIGN, align_up
 
 
@@ -70,9 +72,25 @@ def advise_huge_pages(m: mmap.mmap) -> None:
         pass
 
 
-def alloc_host_tensor(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """A plain host tensor (pinned when CUDA is present), zero-filled."""
-    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+# bytes zeroed between two looks at a stop event (alloc_host_tensor): ~0.2 s of fresh pages
+ZERO_CHUNK = 64 << 20
+
+
+def alloc_host_tensor(
+    numel: int, dtype: torch.dtype, *, pin: bool, stop: threading.Event | None = None
+) -> torch.Tensor:
+    """A plain host tensor (pinned when CUDA is present), zero-filled. With `stop`: zeroed
+    ZERO_CHUNK bytes at a time, raising Stopped before the next chunk once it is set (fresh
+    pages fill at ~0.3 GiB/s, so a store's CPU heads alone took seconds of an engine's build)."""
+    if stop is None:
+        return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+    t = torch.empty(numel, dtype=dtype, pin_memory=pin)
+    step = max(1, ZERO_CHUNK // t.element_size())
+    for a in range(0, numel, step):
+        if stop.is_set():
+            raise Stopped("allocating host memory cancelled part-way")
+        t[a : a + step].zero_()
+    return t
 
 
 T = TypeVar("T")

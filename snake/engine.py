@@ -73,7 +73,12 @@ class Engine:
         offload_dir: Path,
         tracer: Tracer,
         data_executor: ThreadPoolExecutor,
+        stop: threading.Event | None = None,
     ) -> None:
+        """Blocking: allocates the stores (zeroing their CPU memory), their files and the
+        pools. `stop` (the engine's `stop` from then on): set, the build raises Stopped at
+        its next piece (a layer, a buffer, a chunk of zeroing), having closed and removed
+        what it made (the trainer's build was cancelled)."""
         assert config.micro_batches is not None and config.alpha is not None and config.placement is not None
         self.config = config
         self.device = device
@@ -85,6 +90,10 @@ class Engine:
         self.pin = pin_host_memory(device)
         self.tracer = tracer
         self.offload_dir = offload_dir
+        # set when the build is cancelled, or by an actor whose blocking work is cancelled
+        # (the run is being torn down): long work on the threads stops early instead of
+        # holding either up
+        self.stop = stop if stop is not None else threading.Event()
         self.traffic = Traffic(tracer)
         self.ledger = Ledger()
         self.kernels = k = Kernels(parts, config, device, self.M)
@@ -119,12 +128,12 @@ class Engine:
         self.links = {d: TokenBucket(link) for d in ("cpu->gpu", "gpu->cpu")} if link else {}
         use_gds = device.type == "cuda"
         store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds,
-                                        backend=config.storage_backend)
+                                        backend=config.storage_backend, stop=self.stop)
         parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.layer_parts[layer]) if n]
         ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
         self._preflight(offload_dir, parts_units, ckpt_units)
         try:
-            k.map_frozen(offload_dir)
+            k.map_frozen(offload_dir, stop=self.stop)
         except BaseException:
             k.restore_modes()
             raise
@@ -142,12 +151,13 @@ class Engine:
             )
             ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad"})
             self.stores["act_grad"] = TierStore(
-                "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin
+                "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin,
+                stop=self.stop,
             )
             if k.res_on_ssd:  # the resident optimizer state: wholly on SSD, in chunks
                 self.stores["resident"] = TierStore(
                     "resident", torch.float32, k.resident_sizes(), cpu_share=0.0, comps=3, **store_kw)
-                k.use_resident_store(self.stores["resident"], pin=self.pin)
+                k.use_resident_store(self.stores["resident"], pin=self.pin, stop=self.stop)
         except BaseException:
             self.close_files()
             self.kernels.restore_modes()
@@ -165,9 +175,6 @@ class Engine:
             raise
         k.res_io = self.executors["io"]  # the resident state's transfers, where it is on SSD
         k.res_progress = tracer.progress
-        # set by an actor whose blocking work is cancelled (the run is being torn down):
-        # long work on the threads stops early instead of holding the teardown up
-        self.stop = threading.Event()
         k.stop = self.stop
         self.marks = stream_marks(device)
 
@@ -296,7 +303,12 @@ class Engine:
         def host_pool(name: str, store: TierStore, count: int) -> BufferPool[HostBuffer] | None:
             if store.max_tail_bytes == 0:
                 return None
-            return BufferPool(name, [alloc_host(store.max_tail_bytes, pin=self.pin) for _ in range(count)])
+            return BufferPool(name, [self._alloc(store.max_tail_bytes) for _ in range(count)])
+
+        def grad_slot() -> torch.Tensor:
+            if self.device.type == "cpu":  # host memory: zeroed a chunk at a time (`stop`)
+                return alloc_host_tensor(self.P, torch.float32, pin=False, stop=self.stop)
+            return torch.zeros(self.P, dtype=torch.float32, device=self.device)
 
         self.pools = {
             "param_in": host_pool("param_in", st["param"], sizes.param_tails),
@@ -314,9 +326,15 @@ class Engine:
         # vertical on a CPU device: the host gradient buffers' memory serves as more slots
         n_grad = 2 + (sizes.grad_buffers if self.slot_grads() else 0)
         self.grad_slots: BufferPool[torch.Tensor] = BufferPool(
-            "device_grads", [torch.zeros(self.P, dtype=torch.float32, device=self.device) for _ in range(n_grad)]
+            "device_grads", [grad_slot() for _ in range(n_grad)]
         )
         self._all_pools = [p for p in self.pools.values() if p is not None] + [self.param_slots, self.grad_slots]
+
+    def _alloc(self, nbytes: int) -> HostBuffer:
+        """A staging buffer, unless the build has been cancelled (pinning one takes a while)."""
+        if self.stop.is_set():
+            raise Stopped("building the engine cancelled part-way")
+        return alloc_host(nbytes, pin=self.pin)
 
     def slot_grads(self) -> bool:
         """Vertical on a CPU device: a layer's accumulated gradient goes to its optimizer
@@ -345,7 +363,8 @@ class Engine:
             self.grad_host: BufferPool[torch.Tensor] | None = None  # the slots serve (`slot_grads`)
             if not self.slot_grads():
                 self.grad_host = BufferPool("host_grads", [
-                    alloc_host_tensor(self.P, torch.float32, pin=self.pin) for _ in range(PoolSizes().grad_buffers)
+                    alloc_host_tensor(self.P, torch.float32, pin=self.pin, stop=self.stop)
+                    for _ in range(PoolSizes().grad_buffers)
                 ])
                 self._all_pools.append(self.grad_host)
             self.delayed_grads = [self._delayed_room(layer, self.layer_parts[layer][DELAYED]) for layer in range(self.N)]
@@ -353,12 +372,12 @@ class Engine:
         else:
             self.grad_host = None
             self.delayed_grads = []
-            self.accumulators = [alloc_host_tensor(n, torch.float32, pin=self.pin) for n in self.layer_P]
+            self.accumulators = [alloc_host_tensor(n, torch.float32, pin=self.pin, stop=self.stop) for n in self.layer_P]
         # a pageable `.to("cpu")` of each micro-batch's gradient allocated (and faulted in)
         # 4 bytes per parameter on every call and ran on the compute stream: horizontal on
         # an H100 spent ~1.6 s per extra micro-batch there (BENCHMARKS.md section 8)
         self.grad_staging: torch.Tensor | None = (
-            alloc_host_tensor(self.P, torch.float32, pin=True) if self.pin and not self.vertical else None
+            alloc_host_tensor(self.P, torch.float32, pin=True, stop=self.stop) if self.pin and not self.vertical else None
         )
 
     def _delayed_room(self, layer: int, n: int) -> list[torch.Tensor]:
@@ -380,7 +399,7 @@ class Engine:
         if reused:
             room.append(store.cpu.view(torch.uint8)[start : start + 4 * reused].view(torch.float32))
         if n - reused:
-            room.append(alloc_host_tensor(n - reused, torch.float32, pin=False))
+            room.append(alloc_host_tensor(n - reused, torch.float32, pin=False, stop=self.stop))
         return room
 
     def load_initial_weights(self, stop: threading.Event | None = None) -> None:
@@ -418,13 +437,16 @@ class Engine:
                         store.write_tail(u, scratch)
 
     # -- reading state back -------------------------------------------------------------
-    def master_weights(self) -> list[torch.Tensor]:
+    def master_weights(self, stop: threading.Event | None = None) -> list[torch.Tensor]:
         """Blocking: the fp32 master weights of every layer, flat (pending delayed steps
-        must have been flushed)."""
+        must have been flushed). Raises Stopped before the next layer once `stop` is set
+        (a cancelled state_dict: it only reads)."""
         store = self.stores["opt"]
         scratch = alloc_host(max(store.max_tail_bytes, 1), pin=False)
         out = []
         for layer in range(self.N):
+            if stop is not None and stop.is_set():
+                raise Stopped("reading the master weights cancelled part-way")
             pieces = []
             for part, n in enumerate(self.layer_parts[layer]):
                 if not n:

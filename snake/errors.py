@@ -37,9 +37,9 @@ class StorageError(SnakeError, OSError):
 
 
 class Stopped(SnakeError):
-    """Blocking work (a chunked resident step, a save, a load) left part-way because the
-    task awaiting it was cancelled or its run is being torn down. It never reaches the
-    caller: the cancellation or the run's first failure does."""
+    """Blocking work (a chunked resident step, a save, a load, a state_dict, the engine's
+    build) left part-way because the task awaiting it was cancelled or its run is being torn
+    down. It never reaches the caller: the cancellation or the run's first failure does."""
 
 
 class StallError(SnakeError, TimeoutError):

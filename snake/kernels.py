@@ -264,19 +264,21 @@ class Kernels:
         return sum(self.kind_frozen[self.kinds[i]] for i, b in enumerate(self.parts.blocks)
                    if _mapping_of(frozen_named(b), self.dtype) is None) * esize
 
-    def map_frozen(self, directory: Path) -> None:
+    def map_frozen(self, directory: Path, stop: threading.Event | None = None) -> None:
         """Blocking: each layer's streamed frozen parameters, read from the model's files,
         written to `directory`/frozen-<layer>.bin in the compute dtype and mapped as
         `frozen_host[layer]` (the file unlinked at once: its pages live as long as the
         mapping); a layer an earlier trainer mapped keeps its mapping. The model's parameters
         are pointed at the mappings once every layer is mapped (a failure part-way leaves the
-        model as it was)."""
+        model as it was, as does Stopped, raised before the next layer once `stop` is set)."""
         if not self.frozen_mapped:
             return
         blocks = list(self.parts.blocks)
         swaps: list[tuple[nn.Module, list[tuple[str, nn.Parameter]], torch.Tensor]] = []
         hosts: dict[int, torch.Tensor] = {}
         for layer, block in enumerate(blocks):
+            if stop is not None and stop.is_set():
+                raise Stopped("mapping the frozen layer weights cancelled part-way; the model is as it was")
             named = frozen_named(block)
             if not named:
                 continue
@@ -700,9 +702,10 @@ class Kernels:
                 for name, s in zip(self.res_names, self.res_shapes, strict=True)
                 for j in range(-(-s.numel() // c))]
 
-    def use_resident_store(self, store: TierStore, *, pin: bool) -> None:
+    def use_resident_store(self, store: TierStore, *, pin: bool, stop: threading.Event | None = None) -> None:
         """Blocking: keep the resident optimizer state in `store` (every unit of
-        `resident_sizes` on SSD): the model's values as masters, m and v zero."""
+        `resident_sizes` on SSD): the model's values as masters, m and v zero. Raises Stopped
+        before the next parameter once `stop` is set (the engine's build was cancelled)."""
         total = sum(s.numel() for s in self.res_shapes)
         c = resident_chunk(total)
         self.res_units = [[store.unit((name, j)) for j in range(-(-s.numel() // c))]
@@ -710,9 +713,11 @@ class Kernels:
         if total:  # (every resident parameter frozen: nothing to stage)
             self.res_stages = [alloc_host(3 * c * 4, pin=pin) for _ in range(2)]
             self.res_stage = self.res_stages[0]
-            self.res_gstage = alloc_host_tensor(c, torch.float32, pin=pin)
+            self.res_gstage = alloc_host_tensor(c, torch.float32, pin=pin, stop=stop)
         self.res_store = store
         for i, p in enumerate(self._res_initial):
+            if stop is not None and stop.is_set():
+                raise Stopped("writing the resident optimizer state cancelled part-way")
             master = p.detach().reshape(-1)
             self._write_resident(i, master, None, None)
         self._res_initial = []
@@ -816,10 +821,13 @@ class Kernels:
             off += 3 * n
         return out  # type: ignore[return-value]
 
-    def resident_state(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights of pre/post by parameter name (without the 'model.' prefix)."""
+    def resident_state(self, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
+        """fp32 master weights of pre/post by parameter name (without the 'model.' prefix).
+        Raises Stopped before the next parameter once `stop` is set (it only reads)."""
         out = {}
         for i, (n, s) in enumerate(zip(self.res_names, self.res_shapes, strict=True)):
+            if stop is not None and stop.is_set():
+                raise Stopped("reading the resident master weights cancelled part-way")
             master = self.resident_components(i)[0]
             out[n[len("model.") :]] = master.view(s).clone() if self.res_store is None else master.view(s)
         return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,10 @@ class TierStore:
         use_gds: bool = False,
         whole_units: bool = False,
         backend: str = "auto",
+        stop: threading.Event | None = None,
     ) -> None:
+        """`stop`: set, the CPU heads' zeroing raises Stopped before its next chunk (a
+        cancelled engine build); the file is made only after them."""
         self.kind = kind
         self.dtype = dtype
         self.comps = comps
@@ -110,7 +114,7 @@ class TierStore:
             self.units[key] = u
             head += comps * k
             off += align_up(u.tail_elems() * self.esize) if u.tail_n else 0
-        self.cpu = alloc_host_tensor(head, dtype, pin=pin)
+        self.cpu = alloc_host_tensor(head, dtype, pin=pin, stop=stop)
         self.file_bytes = off
         self.file: StorageFile | None = None
         if off:

@@ -32,7 +32,7 @@ from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
-from snake.errors import ConfigError, DataError, SnakeError
+from snake.errors import ConfigError, DataError, SnakeError, Stopped
 from snake.lr import check_rates
 from snake.offload_dir import DirLock, check_offload_dir
 from snake.optim import decay_flags
@@ -163,32 +163,40 @@ class SnakeTrainer:
         self._check_usable()
         if self._running:
             raise SnakeError("state_dict: a run() of this trainer is in progress; await it first")
+        # a cancelled state_dict stops at its next layer or tensor: it only reads, so the
+        # trainer goes on as without it
+        stop = threading.Event()
         if self.engine is None:
             with ThreadPoolExecutor(1, "snake-state", initializer=helper_thread_init(self.device)) as once:
-                return await run_blocking(once, self._initial_state_dict)
+                return await run_blocking(once, self._initial_state_dict, stop, on_cancel=stop.set)
         e = self.engine
         ex = e.executors["io"]
         await self._flush("state_dict")
         # assembled off the event loop: large copies on its thread would give it an OpenMP
         # team that slows a CPU device's kernels for the rest of the run
-        return await run_blocking(ex, self._assemble_state_dict, e)
+        return await run_blocking(ex, self._assemble_state_dict, e, stop, on_cancel=stop.set)
 
-    def _initial_state_dict(self) -> dict[str, torch.Tensor]:
+    def _initial_state_dict(self, stop: threading.Event) -> dict[str, torch.Tensor]:
         sd = self.parts.model.state_dict()
         prefix = self.parts.blocks_prefix + "."
         for i, block in enumerate(self.parts.blocks):  # layers on the meta device: read
+            _check_stop(stop)
             named = [(n, p) for n, p in flat_named(block) if p.is_meta]
             for (n, _), v in zip(named, layer_values(self.parts, i, named), strict=True):
                 sd[f"{prefix}{i}.{n}"] = v
         for name, v in frozen_values(self.parts).items():
             if sd.get(name) is not None and sd[name].is_meta:
                 sd[name] = v
-        return {k: (v.detach().float().clone() if v.is_floating_point() else v.clone()) for k, v in sd.items()}
+        out = {}
+        for k, v in sd.items():
+            _check_stop(stop)
+            out[k] = v.detach().float().clone() if v.is_floating_point() else v.clone()
+        return out
 
-    def _assemble_state_dict(self, e: Engine) -> dict[str, torch.Tensor]:
+    def _assemble_state_dict(self, e: Engine, stop: threading.Event) -> dict[str, torch.Tensor]:
         model = self.parts.model
-        masters = e.master_weights()
-        resident = e.kernels.resident_state()
+        masters = e.master_weights(stop)
+        resident = e.kernels.resident_state(stop)
         canonical: dict[int, str] = {}
         alias: dict[str, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -209,6 +217,7 @@ class SnakeTrainer:
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}
         for key, value in model.state_dict().items():
+            _check_stop(stop)
             if alias.get(key) in resident:  # pre/post's, and the blocks' kept in float32
                 out[key] = resident[alias[key]].clone()
                 continue
@@ -352,25 +361,28 @@ class SnakeTrainer:
         if not planned:  # a placement the planner checked fits; one the user fixed is checked here
             await run_blocking(self._data_ex, self._check_memory, cfg, first)
         self._lock = DirLock(self.offload_dir)
-        self.config = cfg
         data_ex = self._data_ex
+        build_stop = threading.Event()
         built = asyncio.get_running_loop().run_in_executor(
             data_ex,
             lambda: Engine(
                 self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=first[0].shape,
-                offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex,
+                offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex, stop=build_stop,
             ),
         )
         try:
             engine = await asyncio.shield(built)
         except asyncio.CancelledError:
-            # cancelled while the engine was being built: it finishes (its thread cannot be
-            # interrupted) and is closed here, or its files would stay open
+            # cancelled while the engine was being built: its thread cannot be interrupted, so
+            # the build stops at its next piece (having closed what it opened), or one that
+            # finished first is closed here, or its files would stay open
+            build_stop.set()
             await settle(built)
             if not built.cancelled() and built.exception() is None:
                 built.result().close()
             raise
         self.engine = engine
+        self.config = cfg
         self._loop = asyncio.get_running_loop()
         stop = threading.Event()
         try:
@@ -488,6 +500,11 @@ class SnakeTrainer:
         if lock is not None:
             lock.release()
 
+
+
+def _check_stop(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise Stopped("state_dict cancelled part-way")
 
 
 def _check_on_step(on_step: object) -> None:
