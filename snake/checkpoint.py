@@ -112,8 +112,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
     """Write the trainer's full training state to `directory` (atomically, replacing a
     checkpoint already there). Works before the first run too (step 0, zero moments)."""
     trainer._check_usable()
-    if trainer._running:
-        raise SnakeError("save: a run(), save() or load() of this trainer is in progress; await it before saving")
+    trainer._check_idle("save")
     target = _resolve(directory)
     _check_save_target(target)  # before the delayed steps are flushed: a bad path changes nothing
     _check_save_space(trainer, target)

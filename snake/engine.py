@@ -437,26 +437,24 @@ class Engine:
                         store.write_tail(u, scratch)
 
     # -- reading state back -------------------------------------------------------------
-    def master_weights(self, stop: threading.Event | None = None) -> list[torch.Tensor]:
-        """Blocking: the fp32 master weights of every layer, flat (pending delayed steps
-        must have been flushed). Raises Stopped before the next layer once `stop` is set
-        (a cancelled state_dict: it only reads)."""
+    def layer_master(self, layer: int, scratch: HostBuffer | None) -> torch.Tensor:
+        """Blocking: `layer`'s fp32 master weights, flat, in a tensor of its own (pending
+        delayed steps must have been flushed): its CPU heads and its SSD tails, read through
+        `scratch` (an optimizer-state staging buffer, idle outside a run)."""
         store = self.stores["opt"]
-        scratch = alloc_host(max(store.max_tail_bytes, 1), pin=False)
-        out = []
-        for layer in range(self.N):
-            if stop is not None and stop.is_set():
-                raise Stopped("reading the master weights cancelled part-way")
-            pieces = []
-            for part, n in enumerate(self.layer_parts[layer]):
-                if not n:
-                    continue
-                u = store.unit((layer, part))
-                pieces.append(store.head(u)[0].clone())
-                if u.tail_n:
-                    store.read_tail(u, scratch)
-                    pieces.append(store.tail(u, scratch)[0].clone())
-            out.append(torch.cat(pieces))
+        out = torch.empty(self.layer_P[layer], dtype=torch.float32)
+        off = 0
+        for part, n in enumerate(self.layer_parts[layer]):
+            if not n:
+                continue
+            u = store.unit((layer, part))
+            out[off : off + u.k].copy_(store.head(u)[0])
+            if u.tail_n:
+                assert scratch is not None
+                store.read_tail(u, scratch)
+                out[off + u.k : off + u.n].copy_(store.tail(u, scratch)[0])
+            off += u.n
+        assert off == out.numel(), "a layer's parts cover its parameters"
         return out
 
     # -- end of run -------------------------------------------------------------------

@@ -31,7 +31,7 @@ from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.data import split_batch
 from snake.device import synchronize
-from snake.errors import ConfigError, DataError, SnakeError
+from snake.errors import ConfigError, DataError
 from snake.io.base import align_up
 
 if TYPE_CHECKING:
@@ -88,8 +88,7 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
                 f"got {type(data).__name__}"
             ) from None
     trainer._check_usable()
-    if trainer._running:
-        raise SnakeError("evaluate: a run(), save(), load() or evaluate() of this trainer is in progress; await it first")
+    trainer._check_idle("evaluate")
     t0 = time.perf_counter()
     trainer._begin()
     try:

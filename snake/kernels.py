@@ -821,16 +821,24 @@ class Kernels:
             off += 3 * n
         return out  # type: ignore[return-value]
 
-    def resident_state(self, stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
-        """fp32 master weights of pre/post by parameter name (without the 'model.' prefix).
-        Raises Stopped before the next parameter once `stop` is set (it only reads)."""
-        out = {}
-        for i, (n, s) in enumerate(zip(self.res_names, self.res_shapes, strict=True)):
-            if stop is not None and stop.is_set():
-                raise Stopped("reading the resident master weights cancelled part-way")
-            master = self.resident_components(i)[0]
-            out[n[len("model.") :]] = master.view(s).clone() if self.res_store is None else master.view(s)
-        return out
+    def resident_index(self) -> dict[str, int]:
+        """Each resident parameter's index (for `resident_master`) by its name without the
+        'model.' prefix."""
+        return {n[len("model.") :]: i for i, n in enumerate(self.res_names)}
+
+    def resident_master(self, i: int) -> torch.Tensor:
+        """Blocking: resident parameter i's fp32 master weights in its shape, in a tensor of
+        its own (read from the SSD a chunk at a time where the state is there)."""
+        s = self.res_shapes[i]
+        if self.res_store is None:
+            return self.res_master[i].view(s).clone()
+        store, buf = self.res_store, self.res_stage
+        assert buf is not None
+        master = torch.empty(s.numel(), dtype=torch.float32)
+        for u, a in self._chunks(i):
+            store.read_tail(u, buf)
+            master[a : a + u.n].copy_(store.tail(u, buf)[0])
+        return master.view(s)
 
 
 def _shell(block: nn.Module) -> nn.Module:

@@ -28,6 +28,7 @@ from snake.adapters import (
     vocab_size,
 )
 from snake.blocking import run_blocking, settle
+from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, resolve_device
@@ -72,8 +73,9 @@ class SnakeTrainer:
     state is part-way through an iteration. Start a new trainer (from a checkpoint). (A bad
     first batch or a cancellation while the first `run()` sets up, before its engine
     exists, leaves nothing behind: `run` can be tried again.)
-    `close()` while a `run()`, `save()` or `load()` is in progress cancels the task awaiting
-    it, waits for it to stop, then closes. The trainer runs in the event loop of its first
+    One call at a time: a `run()`, `save()`, `load()`, `evaluate()` or `state_dict()` while
+    another is in progress is refused. `close()` while one is in progress cancels the task
+    awaiting it, waits for it to stop, then closes. The trainer runs in the event loop of its first
     `run()`; call it from that loop (`save()` and `state_dict()` work from any loop)."""
 
     def __init__(self, model: nn.Module | ModelParts, *, data: Any, config: SnakeConfig) -> None:
@@ -119,8 +121,7 @@ class SnakeTrainer:
             raise ConfigError("steps", steps, "must be an integer >= 1")
         _check_on_step(on_step)
         self._check_usable()
-        if self._running:
-            raise SnakeError("run: this trainer is already running; await the first run() before the next")
+        self._check_idle("run")
         first = self.engine.next_t if self.engine is not None else 0
         check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
@@ -161,20 +162,31 @@ class SnakeTrainer:
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights with the keys and shapes of `model.state_dict()`."""
         self._check_usable()
-        if self._running:
-            raise SnakeError("state_dict: a run() of this trainer is in progress; await it first")
+        self._check_idle("state_dict")
         # a cancelled state_dict stops at its next layer or tensor: it only reads, so the
         # trainer goes on as without it
         stop = threading.Event()
-        if self.engine is None:
-            with ThreadPoolExecutor(1, "snake-state", initializer=helper_thread_init(self.device)) as once:
-                return await run_blocking(once, self._initial_state_dict, stop, on_cancel=stop.set)
-        e = self.engine
-        ex = e.executors["io"]
-        await self._flush("state_dict")
-        # assembled off the event loop: large copies on its thread would give it an OpenMP
-        # team that slows a CPU device's kernels for the rest of the run
-        return await run_blocking(ex, self._assemble_state_dict, e, stop, on_cancel=stop.set)
+        self._begin()
+        try:
+            if self.engine is None:
+                with ThreadPoolExecutor(1, "snake-state", initializer=helper_thread_init(self.device)) as once:
+                    return await run_blocking(once, self._initial_state_dict, stop, on_cancel=stop.set)
+            e = self.engine
+            await self._flush("state_dict")
+            pool = e.pools["opt"]
+            scratch = pool.try_acquire() if pool is not None else None  # a staging buffer, idle outside a run
+            assert pool is None or scratch is not None, "a run's buffers are out (internal error)"
+            try:
+                # assembled off the event loop: large copies on its thread would give it an OpenMP
+                # team that slows a CPU device's kernels for the rest of the run
+                return await run_blocking(e.executors["io"], self._assemble_state_dict, e, scratch, stop,
+                                          on_cancel=stop.set)
+            finally:
+                if scratch is not None:
+                    assert pool is not None
+                    pool.release(scratch)
+        finally:
+            self._end()
 
     def _initial_state_dict(self, stop: threading.Event) -> dict[str, torch.Tensor]:
         sd = self.parts.model.state_dict()
@@ -193,10 +205,14 @@ class SnakeTrainer:
             out[k] = v.detach().float().clone() if v.is_floating_point() else v.clone()
         return out
 
-    def _assemble_state_dict(self, e: Engine, stop: threading.Event) -> dict[str, torch.Tensor]:
+    def _assemble_state_dict(self, e: Engine, scratch: HostBuffer | None,
+                             stop: threading.Event) -> dict[str, torch.Tensor]:
+        """Each tensor copied once from the stores into its own: beside the result it holds
+        one layer's master weights at a time (a state_dict of every layer's first held
+        twice the model's fp32 state), their SSD tails read through `scratch`."""
         model = self.parts.model
-        masters = e.master_weights(stop)
-        resident = e.kernels.resident_state(stop)
+        resident = e.kernels.resident_index()
+        held: tuple[int, torch.Tensor] | None = None  # the layer whose masters the keys read
         canonical: dict[int, str] = {}
         alias: dict[str, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -219,13 +235,17 @@ class SnakeTrainer:
         for key, value in model.state_dict().items():
             _check_stop(stop)
             if alias.get(key) in resident:  # pre/post's, and the blocks' kept in float32
-                out[key] = resident[alias[key]].clone()
+                out[key] = e.kernels.resident_master(resident[alias[key]])
                 continue
             if key.startswith(prefix):
                 i_str, _, pname = key[len(prefix) :].partition(".")
-                if pname in offsets[int(i_str)]:
-                    o, shape = offsets[int(i_str)][pname]
-                    out[key] = masters[int(i_str)][o : o + shape.numel()].view(shape).clone()
+                i = int(i_str)
+                if pname in offsets[i]:
+                    if held is None or held[0] != i:
+                        held = None  # the layer before goes first
+                        held = (i, e.layer_master(i, scratch))
+                    o, shape = offsets[i][pname]
+                    out[key] = held[1][o : o + shape.numel()].view(shape).clone()
                     continue
             # buffers and frozen parameters, as they are: fp32 as before the first run
             out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
@@ -264,7 +284,8 @@ class SnakeTrainer:
 
     async def close(self) -> None:
         """Stop threads, close files, release the offload_dir lock. Idempotent. A run(),
-        save() or load() in progress is cancelled (its task) and waited for first."""
+        save(), load(), evaluate() or state_dict() in progress is cancelled (its task) and
+        waited for first."""
         if self._closed:
             return
         self._closed = True
@@ -275,8 +296,15 @@ class SnakeTrainer:
         await self._shutdown()
 
     # -- internals --------------------------------------------------------------------
+    def _check_idle(self, what: str) -> None:
+        """One call at a time: run, save, load, evaluate and state_dict share the engine's
+        buffers and stores."""
+        if self._running:
+            raise SnakeError(f"{what}: a run(), save(), load(), evaluate() or state_dict() of this trainer is in "
+                             "progress; await it first")
+
     def _begin(self) -> None:
-        """A run(), save() or load() starts: no other may until `_end`."""
+        """A run(), save(), load(), evaluate() or state_dict() starts: no other may until `_end`."""
         self._running = True
         self._task = asyncio.current_task()
 

@@ -360,7 +360,27 @@ async def test_a_second_save_during_a_save_is_refused_by_name(tmp_path):
         await t.run(1)
         first = asyncio.create_task(t.save(tmp_path / "a"))
         await asyncio.sleep(0)  # the first save has begun
-        with pytest.raises(SnakeError, match=r"a run\(\), save\(\) or load\(\) of this trainer is in progress"):
+        with pytest.raises(SnakeError, match=r"save: a run\(\), save\(\), load\(\), evaluate\(\) or state_dict\(\) of this trainer is in progress"):
             await t.save(tmp_path / "b")
         await first
     assert (tmp_path / "a" / "manifest.json").is_file()
+
+
+@pytest.mark.asyncio
+async def test_a_run_or_save_during_a_state_dict_is_refused_by_name(tmp_path):
+    """state_dict() reads the stores through a staging buffer of the run's: a run, save or
+    evaluate started meanwhile is refused, as one during a save is, and vice versa."""
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(3, 4), config=config(tmp_path / "off")) as t:
+        await t.run(1)
+        reading = asyncio.create_task(t.state_dict())
+        await asyncio.sleep(0)  # it has begun
+        for call in (lambda: t.run(1), lambda: t.save(tmp_path / "a"), lambda: t.evaluate(batches(1, 4))):
+            with pytest.raises(SnakeError, match="in progress"):
+                await call()
+        state = await reading
+        running = asyncio.create_task(t.run(1))
+        await asyncio.sleep(0)
+        with pytest.raises(SnakeError, match="in progress"):
+            await t.state_dict()
+        await running
+        assert (await t.state_dict()).keys() == state.keys()
