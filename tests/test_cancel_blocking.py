@@ -46,6 +46,19 @@ async def reference(tmp_path, data, steps: int) -> tuple[dict, dict]:
         return first, await t.state_dict()
 
 
+async def cancelled_then_usable(t, monkeypatch, entered, read, want, steps: int, want_after) -> None:
+    """Cancel a state_dict() of `t` once its first slowed piece has begun: it stops before
+    the second (`read`); then, the pieces quick again, `t` gives `want`, and after `steps`
+    more steps `want_after`, as a trainer never cancelled."""
+    took = await cancel_at(t.state_dict(), entered)
+    assert read == [0], "stopped before layer 1"  # 8 layers: 3.2 s in all
+    assert took < 4 * PIECE_S
+    monkeypatch.undo()
+    assert_equal(await t.state_dict(), want)
+    await t.run(steps)
+    assert_equal(await t.state_dict(), want_after)
+
+
 def assert_equal(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -75,13 +88,7 @@ async def test_a_cancelled_state_dict_stops_at_its_next_layer(tmp_path, monkeypa
                 return real(u, buf)
 
             monkeypatch.setattr(store, "read_tail", slow)
-            took = await cancel_at(t.state_dict(), entered)
-            assert read == [0], "stopped before layer 1"  # 8 layers: 3.2 s in all
-            assert took < 4 * PIECE_S  # the whole work: 8 or more pieces
-            monkeypatch.undo()
-            assert_equal(await t.state_dict(), want)
-            await t.run(1)
-            assert_equal(await t.state_dict(), want_after)
+            await cancelled_then_usable(t, monkeypatch, entered, read, want, 1, want_after)
 
     await asyncio.wait_for(body(), TIMEOUT)
 
@@ -106,13 +113,7 @@ async def test_a_cancelled_state_dict_before_the_first_run_stops_at_its_next_lay
                 return real(parts, layer, named)
 
             monkeypatch.setattr(snake.trainer, "layer_values", slow)
-            took = await cancel_at(t.state_dict(), entered)
-            assert read == [0], "stopped before layer 1"
-            assert took < 4 * PIECE_S  # the whole work: 8 or more pieces
-            monkeypatch.undo()
-            assert_equal(await t.state_dict(), want)
-            await t.run(2)
-            assert_equal(await t.state_dict(), want_run)
+            await cancelled_then_usable(t, monkeypatch, entered, read, want, 2, want_run)
 
     await asyncio.wait_for(body(), TIMEOUT)
 
