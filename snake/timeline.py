@@ -19,6 +19,7 @@ COLORS = {
     "opt": "#ccb974",
     "adamw": "#8c8c8c",
     "batch": "#bbbbbb",
+    "eval": "#bcbd22",  # evaluate's loads and layers (snake.evaluate)
 }
 ORDER = ["data", "compute", "h2d", "d2h", "ssd_read", "ssd_write"]
 

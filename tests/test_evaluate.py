@@ -325,3 +325,12 @@ async def test_bad_batches_per_pass_is_refused(tmp_path):
                 await t.evaluate(held_out(), batches_per_pass=bad)
         await t.run(1)
         assert (await t.evaluate(held_out(), batches_per_pass=1)).passes == 2
+
+
+def test_the_timeline_colours_evaluations_apart():
+    """evaluate's spans (on the compute, h2d and ssd_read tracks) have their own colour and
+    legend entry in the timeline, not the optimizer's grey."""
+    from snake.timeline import COLORS, _color
+
+    for name in ("eval fwd L0", "eval read L2", "eval param L1", "eval head", "eval pre"):
+        assert _color(name) == COLORS["eval"] != COLORS["adamw"]
