@@ -27,6 +27,7 @@ from snake.config import MAX_SEED, RESIDENT_TIERS, STORAGE_BACKENDS, AdamW, Plac
 from snake.errors import ActorFailed, ConfigError, SnakeError
 from snake.lr import SCHEDULES as LR_SCHEDULES
 from snake.lr import WarmupConstant, describe
+from snake.offload_dir import scratch_parent
 from snake.optim import biases_and_norms
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="how the SSD tier's files are read and written (auto: the best this machine has)")
     p.add_argument("--resident-optimizer", default="cpu", choices=list(RESIDENT_TIERS),
                    help="where the embedding's and head's optimizer state lives")
-    p.add_argument("--offload-dir", default=None, help="SSD tier directory (default: a temporary one)")
+    p.add_argument("--offload-dir", default=None,
+                   help="SSD tier directory (default: a temporary one, on a disk where the system's is in memory)")
     p.add_argument("--out", default="snake-out")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save a checkpoint here at the end")
@@ -603,7 +605,8 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover
         runner = asyncio.run  # type: ignore[assignment]
     with contextlib.ExitStack() as stack:
-        offload_dir = args.offload_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="snake-offload-"))
+        offload_dir = args.offload_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="snake-offload-", dir=scratch_parent()))
         config = _snake_config(args, offload_dir)
         # the run writes these at its end: refuse a bad path now, not after training
         if args.checkpoint:

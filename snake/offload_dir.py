@@ -44,6 +44,22 @@ def memory_fs(path: str | Path, mountinfo: str | None = None) -> str | None:
     return best[1] if best is not None and best[1] in MEMORY_FILE_SYSTEMS else None
 
 
+# where the FHS keeps temporary files on disk, where /tmp may be a tmpfs (Fedora, Arch)
+DISK_TEMP = "/var/tmp"
+
+
+def scratch_parent(mountinfo: str | None = None, candidates: tuple[str, ...] | None = None) -> str | None:
+    """Where a temporary offload_dir goes (`snake train` without --offload-dir): the first of
+    `candidates` (the system's temporary directory, then DISK_TEMP) that is a writable
+    directory on a disk, not in memory: an SSD tier in a tmpfs takes the CPU memory it is
+    meant to spare. None where each is in memory or unusable (the system's default then,
+    which warns: InMemoryOffloadWarning)."""
+    for c in candidates if candidates is not None else (tempfile.gettempdir(), DISK_TEMP):
+        if os.path.isdir(c) and os.access(c, os.W_OK | os.X_OK) and memory_fs(c, mountinfo) is None:
+            return c
+    return None
+
+
 def check_offload_dir(path: str | Path) -> Path:
     """Make sure `path` can serve as offload_dir: create it (mode 0700) if missing and
     probe that a file can be written there. Raises ConfigError naming the problem."""

@@ -207,3 +207,16 @@ def test_no_decay_norms_leaves_the_norms_undecayed(tmp_path):
 
 def _no_constant(name: str) -> None:
     raise AssertionError(f"{name} is not JSON")
+
+
+def test_train_without_an_offload_dir_puts_its_temporary_one_where_scratch_parent_says(tmp_path, monkeypatch):
+    """The default offload_dir is a temporary directory under `scratch_parent()` (a disk
+    where the system's temporary directory is in memory), removed afterwards."""
+    parent = tmp_path / "disk"
+    parent.mkdir()
+    monkeypatch.setattr("snake.cli.scratch_parent", lambda: str(parent))
+    out = tmp_path / "out"
+    assert main(["train", "--steps", "1", "--eval-batches", "0", "--out", str(out), *SMALL]) == 0
+    used = json.loads((out / "report.json").read_text())["config"]["offload_dir"]
+    assert used.startswith(str(parent) + "/snake-offload-")
+    assert not list(parent.iterdir())

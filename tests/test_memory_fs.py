@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from snake import Placement, SnakeConfig, SnakeTrainer
-from snake.offload_dir import InMemoryOffloadWarning, memory_fs
+from snake.offload_dir import InMemoryOffloadWarning, memory_fs, scratch_parent
 from tests.helpers import batches, tiny_gpt
 
 MOUNTS = """\
@@ -51,3 +51,19 @@ async def test_an_offload_dir_in_memory_warns_with_the_tiers_size(tmp_path, monk
         async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(1, 4), config=cfg) as t:
             await t.run(1)
     assert not [w for w in seen if issubclass(w.category, InMemoryOffloadWarning)]
+
+
+def test_a_temporary_offload_dir_goes_to_a_disk_where_tmp_is_in_memory(tmp_path):
+    """`snake train` without --offload-dir: the system's temporary directory, unless it is a
+    tmpfs (as /tmp is on Fedora and Arch), then the next candidate on a disk; None (the
+    default, which warns) where none is."""
+    tmp, disk, ram = (tmp_path / n for n in ("tmp", "disk", "ram"))
+    for d in (tmp, disk, ram):
+        d.mkdir()
+    table = (f"27 1 252:0 / / rw - ext4 /dev/vda rw\n30 27 0:26 / {tmp} rw - tmpfs tmpfs rw\n"
+             f"31 27 0:27 / {ram} rw - ramfs ramfs rw\n")
+    assert scratch_parent(table, (str(tmp), str(disk))) == str(disk)
+    assert scratch_parent(table, (str(disk), str(tmp))) == str(disk)
+    assert scratch_parent(table, (str(tmp), str(ram))) is None
+    assert scratch_parent(table, (str(tmp), str(tmp_path / "missing"), str(disk))) == str(disk)
+    assert scratch_parent("27 1 252:0 / / rw - ext4 /dev/vda rw\n", (str(tmp), str(disk))) == str(tmp)
