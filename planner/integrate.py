@@ -28,6 +28,7 @@ from planner.solve import Infeasible, Plan
 from snake.config import SnakeConfig
 from snake.errors import ConfigError
 from snake.memory import ModelShape
+from snake.offload_dir import memory_fs
 
 if TYPE_CHECKING:  # importing the model pulls in torch; the planner's core does not need it
     from snake.adapters import ModelParts
@@ -64,8 +65,8 @@ def profile_for_config(
 
 
 def with_budgets(profile: MachineProfile, config: SnakeConfig) -> MachineProfile:
-    """The profile with config.cpu_memory_bytes / device_memory_bytes where they are set, and
-    config.device_link_bytes_per_s."""
+    """The profile with config.cpu_memory_bytes / device_memory_bytes where they are set,
+    config.device_link_bytes_per_s, and whether config.offload_dir lives in memory."""
     cpu, dev = config.cpu_memory_bytes, config.device_memory_bytes
     link = config.device_link_bytes_per_s
     return dataclasses.replace(
@@ -73,6 +74,7 @@ def with_budgets(profile: MachineProfile, config: SnakeConfig) -> MachineProfile
         cpu_memory_bytes=profile.cpu_memory_bytes if cpu is None else float(cpu),
         device_memory_bytes=profile.device_memory_bytes if dev is None else float(dev),
         device_link_bytes_per_s=None if link is None else float(link),
+        offload_in_memory=memory_fs(config.offload_dir) is not None,
     )
 
 

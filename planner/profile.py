@@ -68,6 +68,9 @@ class MachineProfile:
     shape: ModelShape
     device: str = "cpu"
     device_link_bytes_per_s: float | None = None  # SnakeConfig's emulated link cap, if any
+    # offload_dir is on a file system in memory (tmpfs): the SSD tier's files take host memory
+    # (set from the config by planner.integrate.with_budgets, not measured)
+    offload_in_memory: bool = False
 
     def __post_init__(self) -> None:
         for name in _MEASURED:

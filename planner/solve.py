@@ -144,8 +144,10 @@ def memory_check(
     extra = f" + {fmt_bytes(dev)} device working set on the CPU" if profile.device == "cpu" else ""
     extra += f" + {fmt_bytes(RUNTIME_OVERHEAD_BYTES)} runtime overhead"
     resident = resident_host_bytes(profile.shape.resident_params, False, staged_grads=profile.device == "cuda")
-    if hint_ssd and resident:
+    if hint_ssd and resident and not profile.offload_in_memory:
         fix += f", resident_optimizer='ssd' (the embeddings' and head's optimizer state, {fmt_bytes(resident)} here)"
+    if profile.offload_in_memory:
+        fix = (f"offload_dir on a disk: it is in memory (tmpfs), so its SSD tier takes CPU memory too; or {fix}")
     return Infeasible(
         resource="cpu_memory", short_by=need - budget, unit="bytes",
         need=f"CPU memory: need {fmt_bytes(need)} {what} at n={n_micro}{extra}, have "
@@ -314,13 +316,15 @@ def _solve(
     placement: Placement | None, resident_on_ssd: bool, hint: bool,
 ) -> Plan | Infeasible:
     staging = profile.device == "cuda"  # horizontal's pinned gradient staging buffer
+    in_memory = profile.offload_in_memory
     mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                      grad_staging=staging, resident_on_ssd=resident_on_ssd)
+                      grad_staging=staging, resident_on_ssd=resident_on_ssd, offload_in_memory=in_memory)
     # Checkpoints are whole units (snake.stores.cpu_units): with all of them in CPU memory
     # there are no checkpoint staging pools, which the general (linear) model cannot drop at
     # share 1, so that case is solved with its own exact model and the better plan is kept.
     mem_ckpt = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
-                           ckpt_in_cpu=True, grad_staging=staging, resident_on_ssd=resident_on_ssd)
+                           ckpt_in_cpu=True, grad_staging=staging, resident_on_ssd=resident_on_ssd,
+                           offload_in_memory=in_memory)
     budget, _ = host_budget(profile, n_micro)
     phases = phases_for(profile, n_micro, alpha, schedule)
 

@@ -262,8 +262,8 @@ class Engine:
             warnings.warn(
                 f"offload_dir {offload_dir} is on {fs}, in memory: its SSD tier ({fmt_size(tiers)})"
                 + (f" and the mapped frozen layer weights ({fmt_size(frozen)})" if frozen else "")
-                + " take CPU memory, which the placement, snake's memory check and the planner count as disk; "
-                "put offload_dir on a disk (an SSD) for the memory the placement promises",
+                + " take CPU memory (the memory check and the planner count them so), none of which a "
+                "share on SSD spares; put offload_dir on a disk (an SSD) for the memory the placement promises",
                 InMemoryOffloadWarning,
                 stacklevel=2,
             )

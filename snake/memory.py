@@ -139,6 +139,7 @@ def host_memory(
     ckpt_in_cpu: bool = False,
     grad_staging: bool = False,
     resident_on_ssd: bool = False,
+    offload_in_memory: bool = False,
 ) -> LinearMemory:
     """Host bytes the runtime holds for a placement, linear in the CPU shares.
 
@@ -159,7 +160,12 @@ def host_memory(
     each micro-batch's gradient is copied into before it is added to the layer's
     accumulator, and the resident step stages its gradients a chunk at a time.
 
-    resident_on_ssd: the resident optimizer state lives on SSD (`resident_host_bytes`)."""
+    resident_on_ssd: the resident optimizer state lives on SSD (`resident_host_bytes`).
+
+    offload_in_memory: offload_dir is on a file system in memory (tmpfs, ramfs): the SSD
+    tier's files ((1 - share) x each kind's total, the resident state's where it is there,
+    the mapped frozen layer weights) take host memory too, so a share moved to "SSD" spares
+    none."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
     big = shape.largest  # staging buffers and gradient buffers: sized for the largest layer
     param_total = n * p * db
@@ -192,6 +198,12 @@ def host_memory(
     # the streamed frozen parameters' CPU copies (none where they are mapped from a file)
     frozen = 0 if shape.layer_frozen_in_files else n * shape.layer_frozen_params * db
     fixed = tails + act_grads + grads + resident + frozen + 16 * ALIGN
+    if offload_in_memory:
+        totals = {"param": param_total, "ckpt": ckpt_total, "opt": opt_total}
+        for k, b in totals.items():
+            per_share[k] -= b
+        fixed += sum(totals.values()) + (shape.resident_params * OPT_BYTES_PER_ELEM if resident_on_ssd else 0)
+        fixed += n * shape.layer_frozen_params * db if shape.layer_frozen_in_files else 0
     return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
 
 
@@ -253,11 +265,13 @@ def off_budget_bytes(shape: ModelShape, *, n_micro: int, device_type: str) -> fl
 def placement_bytes(
     shape: ModelShape, *, n_micro: int, alpha: float, schedule: str, workers: int,
     param: float, ckpt: float, opt: float, device_type: str, resident_on_ssd: bool = False,
+    offload_in_memory: bool = False,
 ) -> float:
-    """Host bytes a run with these CPU shares grows the process by: what the planner holds
-    against `cpu_memory_bytes` (`host_memory` at the shares, with its exact model when
-    every checkpoint is in CPU memory, plus `off_budget_bytes`)."""
+    """Host bytes a run with these CPU shares grows the process by (and, offload_in_memory,
+    its SSD tier's files in a tmpfs): what the planner holds against `cpu_memory_bytes`
+    (`host_memory` at the shares, with its exact model when every checkpoint is in CPU
+    memory, plus `off_budget_bytes`)."""
     mem = host_memory(shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
                       ckpt_in_cpu=ckpt >= 1.0, grad_staging=device_type == "cuda",
-                      resident_on_ssd=resident_on_ssd)
+                      resident_on_ssd=resident_on_ssd, offload_in_memory=offload_in_memory)
     return mem.at(param, ckpt, opt) + off_budget_bytes(shape, n_micro=n_micro, device_type=device_type)

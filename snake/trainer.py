@@ -35,7 +35,7 @@ from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, SnakeError, Stopped
 from snake.lr import check_rates
-from snake.offload_dir import DirLock, check_offload_dir
+from snake.offload_dir import DirLock, check_offload_dir, memory_fs
 from snake.optim import decay_flags
 from snake.runtime import run_iterations
 from snake.trace import Tracer
@@ -458,9 +458,10 @@ class SnakeTrainer:
         b, seq = int(first[0].shape[0]), int(first[0].shape[1])
         shape = shape_of_parts(self.parts, b // m, seq, cfg.dtype)
         kind = self.device.type
+        in_memory = memory_fs(self.offload_dir) is not None  # its "SSD" tier is memory too
         need = placement_bytes(shape, n_micro=m, alpha=cfg.alpha, schedule=cfg.schedule, workers=cfg.optimizer_workers,
                                param=p.param, ckpt=p.ckpt, opt=p.opt, device_type=kind,
-                               resident_on_ssd=cfg.resident_optimizer == "ssd")
+                               resident_on_ssd=cfg.resident_optimizer == "ssd", offload_in_memory=in_memory)
         given = cfg.cpu_memory_bytes is not None
         have = float(cfg.cpu_memory_bytes) if cfg.cpu_memory_bytes is not None else float(
             psutil.virtual_memory().available)
@@ -471,11 +472,15 @@ class SnakeTrainer:
                   if cfg.resident_optimizer == "cpu" and shape.resident_params else ""))
         if cfg.optimizer.clips and cfg.schedule == "vertical":  # alpha = 1: what holding every gradient costs
             kw = dict(n_micro=m, schedule=cfg.schedule, workers=cfg.optimizer_workers, param=p.param, ckpt=p.ckpt,
-                      opt=p.opt, device_type=kind, resident_on_ssd=cfg.resident_optimizer == "ssd")
+                      opt=p.opt, device_type=kind, resident_on_ssd=cfg.resident_optimizer == "ssd",
+                      offload_in_memory=in_memory)
             held = need - placement_bytes(shape, alpha=0.0, **kw)  # type: ignore[arg-type]
             if held > 0:
                 fix += (f"; clipping (optimizer.max_grad_norm) holds every layer's fp32 gradient until its step, "
                         f"{fmt_bytes(held)} of the need (without clipping, alpha=0.0 needs none of it)")
+        if in_memory:
+            fix = (f"put offload_dir on a disk: {self.offload_dir} is in memory (tmpfs), so its SSD tier takes CPU "
+                   f"memory too (counted here); or {fix}")
         if need > have:
             other = off_budget_bytes(shape, n_micro=m, device_type=kind)
             raise ConfigError(
