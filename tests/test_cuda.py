@@ -198,8 +198,9 @@ async def test_frozen_layer_weights_stream_on_cuda(tmp_path, schedule):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("where", sorted(PLACEMENTS))
 async def test_evaluate_on_cuda_matches_pytorch(tmp_path, where):
-    """SnakeTrainer.evaluate on the GPU (layers loaded into device slots, hidden states in CPU
-    memory between layers): PyTorch's eval-mode loss of the same weights on the same GPU."""
+    """SnakeTrainer.evaluate on the GPU (layers loaded into device slots, hidden states in the
+    idle pinned CPU memory between layers, several batches a pass or one): PyTorch's
+    eval-mode loss of the same weights on the same GPU."""
     from tests.test_evaluate import held_out, torch_eval_loss
 
     placement, alpha = PLACEMENTS[where]
@@ -208,8 +209,11 @@ async def test_evaluate_on_cuda_matches_pytorch(tmp_path, where):
     async with SnakeTrainer(model, data=batches(3, 4), config=cfg) as t:
         await t.run(2)
         report = await t.evaluate(held_out())
+        single = await t.evaluate(held_out(), batches_per_pass=1)  # one pass per batch
         state = await t.state_dict()
     data = [(x.cuda(), y.cuda()) for x, y in held_out()]
     want, count = torch_eval_loss(model.cuda(), {k: v.cuda() for k, v in state.items()}, data)
-    assert report.tokens == count
+    assert report.tokens == single.tokens == count
+    assert single.passes == 2
     assert report.loss == pytest.approx(want, rel=1e-4)
+    assert single.loss == pytest.approx(want, rel=1e-4)
