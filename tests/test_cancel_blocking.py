@@ -198,3 +198,49 @@ async def test_a_cancelled_build_stops_writing_the_resident_state_at_its_next_pa
         await t.close()
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_build_stops_mapping_a_streamed_models_frozen_weights(tmp_path, monkeypatch):
+    """A model streamed from its files (`stream_hf`) whose layers keep frozen weights: the
+    build writes each layer's to a file it maps. Cancelled there, it stops before the next
+    layer and leaves the model's parameters as they were (none points at a mapping); a run
+    after it maps every layer and trains."""
+    import snake.kernels
+    from snake.hf import stream_hf
+    from tests.test_hf import VOCAB
+    from tests.test_stream_hf import saved
+
+    async def body():
+        _, path = saved("llama", tmp_path)
+        streamed = stream_hf(path)
+        for name, p in streamed.named_parameters():
+            if "mlp" in name:
+                p.requires_grad_(False)
+        frozen = {n: p for n, p in streamed.named_parameters() if not p.requires_grad}
+        off = tmp_path / "off"
+        t = SnakeTrainer(streamed, data=batches(2, 4, vocab=VOCAB), config=config(off))
+        loop, entered = asyncio.get_running_loop(), asyncio.Event()
+        real, read = snake.kernels.layer_values, []
+
+        def slow(parts, layer, named):
+            read.append(layer)
+            loop.call_soon_threadsafe(entered.set)
+            threading.Event().wait(PIECE_S)
+            return real(parts, layer, named)
+
+        monkeypatch.setattr(snake.kernels, "layer_values", slow)
+        took = await cancel_at(t.run(1), entered)
+        assert read == [0], "stopped before the next layer"
+        assert took < 4 * PIECE_S
+        assert all(streamed.get_parameter(n) is p for n, p in frozen.items()), "the model as it was"
+        assert not list(off.glob("*.bin")) and not snake_threads()
+        monkeypatch.undo()
+        try:
+            await asyncio.wait_for(t.run(1), TIMEOUT)
+            assert t.engine is not None and t.engine.kernels.frozen_mapped
+            assert all(getattr(streamed.get_parameter(n), "snake_mapped", False) for n in frozen)
+        finally:
+            await t.close()
+
+    await asyncio.wait_for(body(), TIMEOUT)
