@@ -46,6 +46,20 @@ async def reference(tmp_path, data, steps: int) -> tuple[dict, dict]:
         return first, await t.state_dict()
 
 
+def slowed_layer_values(module, read: list, entered: asyncio.Event):
+    """`module.layer_values` (reading a layer of the model) records each layer in `read`,
+    tells `entered` and takes PIECE_S more; the caller's monkeypatch puts it back."""
+    real, loop = module.layer_values, asyncio.get_running_loop()
+
+    def slow(parts, layer, named):
+        read.append(layer)
+        loop.call_soon_threadsafe(entered.set)
+        threading.Event().wait(PIECE_S)
+        return real(parts, layer, named)
+
+    return slow
+
+
 async def cancelled_then_usable(t, monkeypatch, entered, read, want, steps: int, want_after) -> None:
     """Cancel a state_dict() of `t` once its first slowed piece has begun: it stops before
     the second (`read`); then, the pieces quick again, `t` gives `want`, and after `steps`
@@ -103,16 +117,8 @@ async def test_a_cancelled_state_dict_before_the_first_run_stops_at_its_next_lay
         want_run, _ = await reference(tmp_path, data, 2)
         async with SnakeTrainer(model(), data=data, config=config(tmp_path / "a")) as t:
             want = await t.state_dict()
-            real, read = snake.trainer.layer_values, []
-            loop, entered = asyncio.get_running_loop(), asyncio.Event()
-
-            def slow(parts, layer, named):
-                read.append(layer)
-                loop.call_soon_threadsafe(entered.set)
-                threading.Event().wait(PIECE_S)
-                return real(parts, layer, named)
-
-            monkeypatch.setattr(snake.trainer, "layer_values", slow)
+            read, entered = [], asyncio.Event()
+            monkeypatch.setattr(snake.trainer, "layer_values", slowed_layer_values(snake.trainer, read, entered))
             await cancelled_then_usable(t, monkeypatch, entered, read, want, 2, want_run)
 
     await asyncio.wait_for(body(), TIMEOUT)
@@ -220,16 +226,8 @@ async def test_a_cancelled_build_stops_mapping_a_streamed_models_frozen_weights(
         frozen = {n: p for n, p in streamed.named_parameters() if not p.requires_grad}
         off = tmp_path / "off"
         t = SnakeTrainer(streamed, data=batches(2, 4, vocab=VOCAB), config=config(off))
-        loop, entered = asyncio.get_running_loop(), asyncio.Event()
-        real, read = snake.kernels.layer_values, []
-
-        def slow(parts, layer, named):
-            read.append(layer)
-            loop.call_soon_threadsafe(entered.set)
-            threading.Event().wait(PIECE_S)
-            return real(parts, layer, named)
-
-        monkeypatch.setattr(snake.kernels, "layer_values", slow)
+        read, entered = [], asyncio.Event()
+        monkeypatch.setattr(snake.kernels, "layer_values", slowed_layer_values(snake.kernels, read, entered))
         took = await cancel_at(t.run(1), entered)
         assert read == [0], "stopped before the next layer"
         assert took < 4 * PIECE_S
