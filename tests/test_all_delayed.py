@@ -21,7 +21,7 @@ from tests.helpers import (
     train,
 )
 from tests.planner.conftest import synthetic_profile
-from tests.test_checkpoint import assert_equal_state, first_half, second_half, straight
+from tests.test_checkpoint import resumed_as_straight
 
 PL = {"cpu": Placement.all_cpu(), "ssd": Placement.all_ssd(), "mixed": Placement(param=0.5, ckpt=0.3, opt=0.6)}
 
@@ -72,14 +72,7 @@ async def test_resume_is_bitwise_identical_at_alpha_1(tmp_path, schedule):
     (here every element's), and the resumed run is bitwise the uninterrupted one."""
 
     async def body():
-        data = batches(4, 4)
-        kw = dict(schedule=schedule, alpha=1.0)
-        want = await straight(tmp_path, data, 4, **kw)
-        where = tmp_path / "ckpt"
-        mid = await first_half(tmp_path, data, 2, where, **kw)
-        loaded, got, consumed = await second_half(tmp_path, data, 2, where, **kw)
-        assert_equal_state(loaded, mid)
-        assert_equal_state(got, want)
+        consumed = await resumed_as_straight(tmp_path, batches(4, 4), tmp_path / "ckpt", schedule=schedule, alpha=1.0)
         assert consumed == 4
 
     await asyncio.wait_for(body(), 240)

@@ -56,6 +56,18 @@ async def second_half(tmp_path, data, steps, where, **kw):
         return loaded, await t.state_dict(), t.source.consumed
 
 
+async def resumed_as_straight(tmp_path, data, where, **kw) -> int:
+    """2 steps, a save to `where`, a load into a trainer of another init and 2 more steps:
+    the loaded state is the saved one and the end state that of 4 steps straight, bitwise.
+    Returns the batches the resumed trainer consumed."""
+    want = await straight(tmp_path, data, 4, **kw)
+    mid = await first_half(tmp_path, data, 2, where, **kw)
+    loaded, got, consumed = await second_half(tmp_path, data, 2, where, **kw)
+    assert_equal_state(loaded, mid)
+    assert_equal_state(got, want)
+    return consumed
+
+
 def assert_equal_state(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -71,14 +83,8 @@ def digest(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 async def test_resume_is_bitwise_identical(tmp_path, schedule):
     async def body():
-        data = batches(4, 4)
-        want = await straight(tmp_path, data, 4, schedule=schedule)
         where = tmp_path / "ckpt"
-        mid = await first_half(tmp_path, data, 2, where, schedule=schedule)
-        loaded, got, consumed = await second_half(tmp_path, data, 2, where, schedule=schedule)
-        assert_equal_state(loaded, mid)
-        assert_equal_state(got, want)
-        assert consumed == 4
+        assert await resumed_as_straight(tmp_path, batches(4, 4), where, schedule=schedule) == 4
         # only safetensors and json, and the manifest says what it should
         names = {p.name for p in where.iterdir()}
         assert names and all(n.endswith((".safetensors", ".json")) for n in names)
@@ -520,13 +526,7 @@ async def test_resume_is_bitwise_identical_at_every_optimizer_share(tmp_path, op
     kw = dict(placement=Placement(param=0.5, ckpt=1.0, opt=opt), alpha=alpha)
 
     async def body():
-        data = batches(4, 4)
-        want = await straight(tmp_path, data, 4, **kw)
-        where = tmp_path / "ckpt"
-        mid = await first_half(tmp_path, data, 2, where, **kw)
-        loaded, got, _ = await second_half(tmp_path, data, 2, where, **kw)
-        assert_equal_state(loaded, mid)
-        assert_equal_state(got, want)
+        await resumed_as_straight(tmp_path, batches(4, 4), tmp_path / "ckpt", **kw)
 
     await asyncio.wait_for(body(), TIMEOUT)
 
