@@ -380,6 +380,16 @@ class Kernels:
         pieces = flat[: self.kind_params[kind]].split(self.kind_numels[kind])
         return [v.view(s) for v, s in zip(pieces, self.kind_shapes[kind], strict=True)]
 
+    def trained(self, flat: torch.Tensor, layer: int) -> list[torch.Tensor]:
+        """`views` that require a gradient, as a model's trained parameters do, for every call
+        of a block (forward, recompute, evaluation), with autograd on or off. Some kernels are
+        picked by it: a weight that requires a gradient makes torch.matmul fold a 3-d input
+        into one matrix product (`should_fold`), where without one it takes another route;
+        on an AMD EPYC VM the two round differently in bfloat16 (a bf16 Mamba layer 1e-3 off
+        its PyTorch output), so a forward with plain views stored checkpoints that were not
+        the outputs the recompute and PyTorch's training step compute."""
+        return [v.detach().requires_grad_(True) for v in self.views(flat, layer)]
+
     def frozen_views(self, slot: torch.Tensor, layer: int) -> list[torch.Tensor]:
         """`layer`'s streamed frozen parameters: views of the slot after its trained ones,
         where the device mover copied them, or of their CPU copy where the slot is shorter (a
@@ -431,12 +441,12 @@ class Kernels:
             # as the backward's recompute (and PyTorch's training step) runs it: the layer's
             # kernels pick their algorithm by requires_grad (CPU SDPA: flash unless its mask, a
             # learned bias, needs a gradient); the graph is freed on return
-            params = [v.detach().requires_grad_(True) for v in self.views(slot, layer)]
             with torch.enable_grad(), self.rng(t, layer, m):
-                y = self.bind(params, layer, self.frozen_views(slot, layer))(x.detach().requires_grad_(True), layer)
+                y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(
+                    x.detach().requires_grad_(True), layer)
             return y.detach().contiguous()
         with torch.no_grad(), self.rng(t, layer, m):
-            y = self.bind(self.views(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
+            y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
         return y.contiguous()
 
     def head(
@@ -484,7 +494,7 @@ class Kernels:
         """One layer's forward for evaluation: `slot` holds its parameters as a load put
         them there (the device mover's layout), no autograd."""
         with torch.no_grad():
-            y = self.bind(self.views(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
+            y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
         return y.contiguous()
 
     def eval_head(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
@@ -511,7 +521,7 @@ class Kernels:
     ) -> torch.Tensor:
         """Recompute the block from its input checkpoint, backprop `gy`; add (or copy) the
         fp32 parameter gradient into `acc`; return the gradient into the block's input."""
-        params = [v.detach().requires_grad_(True) for v in self.views(slot, layer)]
+        params = self.trained(slot, layer)
         x = x.detach().requires_grad_(True)
         held = [i for _, i in self.layer_held[layer]]
         with torch.enable_grad(), self.rng(t, layer, m):

@@ -72,6 +72,17 @@ async def train(model, data, steps: int, **config):
     return state, report, traffic
 
 
+def as_param_strides(params) -> None:
+    """Give each `.grad` its parameter's strides. torch's fused CPU AdamW (the kernel snake
+    steps with; `fused=True` in the references) reads a gradient as if it were laid out as
+    its parameter: in torch 2.13 a gradient with other strides (a bmm's, through a
+    transposed weight: Inkling's shared experts) stepped every element with another's
+    gradient. snake's gradients are flat, laid out as its masters."""
+    for p in params:
+        if p.grad is not None and p.grad.stride() != p.stride():
+            p.grad = torch.empty_like(p).copy_(p.grad)
+
+
 def param_groups(named, no_decay, wd: float) -> list[dict]:
     """torch.optim's parameter groups: one, or with `no_decay` those it is True for apart,
     with weight_decay 0."""
@@ -83,10 +94,12 @@ def param_groups(named, no_decay, wd: float) -> list[dict]:
 
 
 def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-                    lr_lambda=None, no_decay=None, max_norm=None):
+                    lr_lambda=None, no_decay=None, max_norm=None, fused=None):
     """Plain PyTorch mixed precision: the model computes in its own dtypes (bfloat16, with
     whatever it keeps in float32), fp32 master weights, gradients summed over micro-batches in
     fp32, torch AdamW on the masters, the masters cast back into the model after each step.
+    `fused=True`: torch's fused AdamW, the kernel snake steps with (its last bit differs from
+    the default's, which can move a low-precision weight across a rounding boundary).
     Returns the masters by parameter name."""
     m = copy.deepcopy(model)
     m.train()
@@ -94,7 +107,7 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
     params = [p for _, p in named]
     masters = [p.detach().float().clone() for p in params]
     opt = torch.optim.AdamW(param_groups([(n, master) for (n, _), master in zip(named, masters, strict=True)],
-                                         no_decay, wd), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+                                         no_decay, wd), lr=lr, betas=betas, eps=eps, weight_decay=wd, fused=fused)
     sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     for x, y in data:
         acc: list[torch.Tensor | None] = [None] * len(params)
@@ -107,6 +120,8 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
                     acc[i] = g.float() if acc[i] is None else acc[i] + g.float()
         for master, g in zip(masters, acc, strict=True):
             master.grad = g
+        if fused:
+            as_param_strides(masters)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(masters, max_norm)
         opt.step()

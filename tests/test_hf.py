@@ -22,7 +22,7 @@ from snake import (
 )
 from snake.adapters import call_block, describe, layer_kinds
 from snake.hf import describe_hf, export_hf, load_hf
-from tests.helpers import assert_close_state, batches
+from tests.helpers import as_param_strides, assert_close_state, batches
 
 VOCAB = 100
 LLAMA_KW = dict(
@@ -307,20 +307,49 @@ def parts_logits(parts: ModelParts, idx: torch.Tensor) -> torch.Tensor:
     return parts.post(m, h)
 
 
-def reference(model: nn.Module, data, micro: int):
+class Want(dict):
+    """`reference`'s state dict, with `near_eps`: per parameter (state_dict name), the
+    elements whose gradient stayed near AdamW's eps (`NEAR_EPS`)."""
+
+    near_eps: dict[str, torch.Tensor]
+
+
+# an element whose gradient is not 0 but below this (100 x AdamW's eps) in some step takes a
+# step there that follows the gradient's last bits: AdamW divides it by about its own size,
+# and such a gradient is mostly a sum of terms that cancel, whose rounding depends on the
+# order in which a kernel adds them. snake and PyTorch run the same kernels in the same
+# order on the Intel VMs; on an AMD EPYC VM one element of Bamba's, Qwen3.5-MoE's, Falcon's,
+# Afmoe's and DeepSeek V3.2's ended 2e-6 to 3.3e-5 apart after three steps (a gradient of
+# 2e-8 there, 2 % apart). Those elements are held to NEAR_EPS_ATOL, the rest to 1e-6.
+NEAR_EPS_GRAD = 1e-6
+NEAR_EPS_ATOL = 1e-4
+
+
+def reference(model: nn.Module, data, micro: int) -> Want:
     """Plain PyTorch on the HF model: gradient accumulation (loss / M) + torch AdamW with
-    the defaults of snake.AdamW (lr 1e-3, weight decay 0.01)."""
+    the defaults of snake.AdamW (lr 1e-3, weight decay 0.01), its fused kernel as snake's:
+    the default one differs in the last bit, which AdamW's division by sqrt(v) magnifies
+    where a gradient is near eps (on an AMD EPYC VM: dots1, afmoe, DeepSeek V3.2 and
+    GPT-NeoX 1.6e-6 to 3.3e-5 off, one element each; on the Intel VMs within the bounds)."""
     m = copy.deepcopy(model)
     m.train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    near: dict[str, torch.Tensor] = {}
     for x, y in data:
         opt.zero_grad(set_to_none=True)
         for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
             logits = m(xc).logits
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), yc.reshape(-1)) / micro
             loss.backward()
+        as_param_strides(m.parameters())
+        for n, p in m.named_parameters():
+            if p.grad is not None:
+                tiny = (p.grad != 0) & (p.grad.abs() < NEAR_EPS_GRAD)
+                near[n] = tiny if n not in near else near[n] | tiny
         opt.step()
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    want = Want((k, v.detach().clone()) for k, v in m.state_dict().items())
+    want.near_eps = near
+    return want
 
 
 def snake_config(tmp_path, schedule: str = "vertical", dtype: str = "float32") -> SnakeConfig:
@@ -415,16 +444,9 @@ async def test_llama_family_training_matches_plain_pytorch(tmp_path, kind, kw):
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = reference(model, data, 2)
     got = await train_snake(model, data, tmp_path)
-    assert_matches(got, want, loose=kind in NEAR_EPS)
+    assert_matches(got, want)
 
 
-# families where an expert weight's first non-zero gradient in these tests is ~1e-8, near
-# AdamW's eps, so the step it takes (up to lr) follows the gradient's last bits: Afmoe's
-# model.layers.1.mlp.experts.gate_up_proj[1, 13, 62] (a gradient of exactly 0 in step 1 for
-# snake and PyTorch alike, then 7.8e-6 apart after step 2, of a 5e-4 move); DeepSeek V3.2's
-# model.embed_tokens.weight[78, 6] (token 78 is in one batch: a gradient of -3.7e-8 there,
-# 7.8e-6 apart after three steps; every other element within 1e-6)
-NEAR_EPS = ("afmoe", "dsv32")
 
 
 KEY_BIASES = ("k_proj.bias", "k_layernorm.bias")
@@ -434,10 +456,15 @@ KEY_BIASES = ("k_proj.bias", "k_layernorm.bias")
 FUSED_QKV_BIASES = ("query_key_value.bias", "c_attn.bias")
 
 
-def assert_matches(got: dict, want: dict, loose: bool = False) -> None:
-    if loose:
-        assert_close_state(got, want, atol=2e-5)
-        return
+def assert_matches(got: dict, want: dict) -> None:
+    near = getattr(want, "near_eps", {})
+    if near:  # those elements apart (NEAR_EPS_RMS), the rest as below
+        for k, mask in near.items():
+            if bool(mask.any()) and k in got:
+                torch.testing.assert_close(got[k][mask], want[k][mask], rtol=0, atol=NEAR_EPS_ATOL,
+                                           msg=lambda m, k=k: f"{k} (near eps): {m}")
+                got, want = dict(got), dict(want)
+                got[k], want[k] = got[k].masked_fill(mask, 0), want[k].masked_fill(mask, 0)
     if not any(k.endswith(KEY_BIASES + FUSED_QKV_BIASES) for k in want):
         assert_close_state(got, want)
         return
@@ -841,7 +868,7 @@ async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_pa
     assert kind == "qwen3next" or (any(n.endswith("gate.weight") for n in kept)
                                    and any("e_score_correction_bias" in n for n in kept))
     data = batches(3, 4, seq=16, vocab=VOCAB)
-    want = mixed_reference(model, data, 2)
+    want = mixed_reference(model, data, 2, fused=True)
     assert_mixed_precision(await train_snake(model, data, tmp_path, dtype="bfloat16"), want)
 
 
@@ -863,7 +890,7 @@ async def test_bf16_families_follow_plain_mixed_precision(tmp_path, kind):
 
     model = bf16_copy(kind)
     data = batches(3, 4, seq=16, vocab=VOCAB)
-    want = mixed_reference(model, data, 2)
+    want = mixed_reference(model, data, 2, fused=True)
     assert_mixed_precision(await train_snake(model, data, tmp_path, dtype="bfloat16"), want)
 
 
@@ -883,7 +910,7 @@ async def test_bf16_mamba_follows_plain_mixed_precision_or_is_refused(tmp_path, 
         SnakeTrainer(bf16_copy(kind), data=data, config=snake_config(tmp_path, dtype="bfloat16"))
     assert not (tmp_path / "off").exists()
     model = bf16_copy(kind, residual_in_fp32=False, tie_word_embeddings=False)
-    want = mixed_reference(model, data, 2)
+    want = mixed_reference(model, data, 2, fused=True)
     assert_mixed_precision(await train_snake(model, data, tmp_path, dtype="bfloat16"), want)
 
 
@@ -900,7 +927,7 @@ async def test_bf16_ernie_moe_keeps_its_fp32_routing_statistics_held_and_unchang
     statics = "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias"
     assert model.get_parameter(statics).dtype == torch.float32 and not model.get_parameter(statics).requires_grad
     data = batches(3, 4, seq=16, vocab=VOCAB)
-    want = mixed_reference(model, data, 2)
+    want = mixed_reference(model, data, 2, fused=True)
     init = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     async with SnakeTrainer(model, data=data, config=snake_config(tmp_path, dtype="bfloat16")) as trainer:
         await asyncio.wait_for(trainer.run(3), timeout=120)
