@@ -101,7 +101,7 @@ def plan_for_config(
         schedule=config.schedule,
         workers=config.optimizer_workers,
         alphas=(config.alpha,) if config.alpha is not None
-        else (1.0,) if config.optimizer.clips  # clipping: every step delayed
+        else (1.0,) if config.steps_wait  # clipping or a dynamic loss scale: every step delayed
         else None,
         placement=config.placement,
         n_micro=config.micro_batches,

@@ -1,7 +1,7 @@
 """snake: train LLMs bigger than GPU memory by streaming them through the GPU layer by layer."""
 
 from snake.adapters import ModelParts
-from snake.config import AdamW, Placement, SnakeConfig, tiny_cpu
+from snake.config import AdamW, DynamicLossScale, Placement, SnakeConfig, tiny_cpu
 from snake.errors import ActorFailed, ConfigError, DataError, ModelError, SnakeError, StorageError
 from snake.evaluate import EvalReport
 from snake.trainer import RunReport, SnakeTrainer
@@ -11,6 +11,7 @@ __all__ = [
     "ActorFailed",
     "ConfigError",
     "DataError",
+    "DynamicLossScale",
     "EvalReport",
     "ModelError",
     "ModelParts",

@@ -6,8 +6,10 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            iteration), `consumed_batches` (global batches taken from the
                            data), the config fields a resume must match, the model's
                            parameter names and shapes, `missed_steps` (the parameters left
-                           in some steps for want of a gradient, and how many), and the
-                           size and sha256 of each file
+                           in some steps for want of a gradient or by a dynamic loss
+                           scale's overflow, and how many), `loss_scale` (a dynamic loss
+                           scale's state: scale and growth_tracker; absent without one),
+                           and the size and sha256 of each file
   layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
                            named as in `model.state_dict()`
@@ -40,6 +42,7 @@ import errno
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -66,8 +69,8 @@ from snake.adapters import (
 )
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
-from snake.clip import bound_json
-from snake.config import Placement, SnakeConfig
+from snake.clip import json_float
+from snake.config import DynamicLossScale, Placement, SnakeConfig
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
 from snake.lr import describe
@@ -132,6 +135,8 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "model_config": model_config(trainer.parts),
             "missed_steps": missed_steps(e) if e is not None else {},
         }
+        if e is not None and e.scaler is not None:
+            manifest["loss_scale"] = e.scaler.state()
         rng = rng_state()
         stop = threading.Event()  # a cancelled save stops at its next file and removes what it wrote
         with _borrowed(e, "opt", every=True) as bufs:
@@ -242,7 +247,10 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         "resident_optimizer": cfg.resident_optimizer,  # informational, as placement (bitwise either way)
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                       "lr_schedule": describe(o.lr_schedule), "no_decay": describe(o.no_decay),
-                      "max_grad_norm": bound_json(o.max_grad_norm)},
+                      "max_grad_norm": json_float(o.max_grad_norm)},
+        # informational: a resume may change it (a dynamic scale goes on from the state saved)
+        "loss_scale": (dataclasses.asdict(cfg.loss_scale) if isinstance(cfg.loss_scale, DynamicLossScale)
+                       else cfg.loss_scale),
     }
 
 
@@ -347,6 +355,7 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
         raise damaged("model.n_layer", n_layer, "must be an integer >= 1")
     _check_model_record(manifest["model"], n_layer, damaged)
     _check_missed_steps(manifest, n_layer, damaged)
+    _check_loss_scale(manifest, damaged)
     files: dict[str, Any] = manifest["files"]
     for name, info in files.items():
         if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
@@ -397,6 +406,21 @@ def _check_missed_steps(manifest: dict[str, Any], n_layer: int, damaged: Callabl
             raise damaged(f"missed_steps[{name!r}]", count, "must name a trained parameter of the checkpoint's model")
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= step:
             raise damaged(f"missed_steps[{name!r}]", count, f"must be an integer in [1, step={step}]")
+
+
+def _check_loss_scale(manifest: dict[str, Any], damaged: Callable[[str, object, str], SnakeError]) -> None:
+    """`loss_scale` (a dynamic loss scale's state; absent without one): a finite scale > 0
+    and a growth tracker >= 0."""
+    state = manifest.get("loss_scale")
+    if state is None:
+        return
+    if not isinstance(state, dict):
+        raise damaged("loss_scale", type(state).__name__, "must be a mapping")
+    scale, tracker = state.get("scale"), state.get("growth_tracker")
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
+        raise damaged("loss_scale.scale", scale, "must be a finite number > 0")
+    if not isinstance(tracker, int) or isinstance(tracker, bool) or tracker < 0:
+        raise damaged("loss_scale.growth_tracker", tracker, "must be an integer >= 0")
 
 
 def _set_missed_steps(e: Engine, missed: dict[str, int]) -> None:
@@ -980,6 +1004,8 @@ def apply_checkpoint(
     step = int(manifest["step"])
     e.next_t = step
     _set_missed_steps(e, manifest.get("missed_steps", {}))
+    if e.scaler is not None and manifest.get("loss_scale") is not None:
+        e.scaler.load(manifest["loss_scale"])  # (a checkpoint without one: the config's init_scale)
     # nothing is pending after the flush at save time: the delayed steps of iteration
     # `step` would apply the gradients of iteration step - 1, which the masters hold
     e.first_delayed = step + 1 if step > 0 else 0

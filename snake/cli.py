@@ -22,8 +22,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from snake.clip import bound_json
-from snake.config import MAX_SEED, RESIDENT_TIERS, STORAGE_BACKENDS, AdamW, Placement, SnakeConfig
+from snake.clip import json_float
+from snake.config import (
+    MAX_SEED,
+    RESIDENT_TIERS,
+    STORAGE_BACKENDS,
+    AdamW,
+    DynamicLossScale,
+    Placement,
+    SnakeConfig,
+)
 from snake.errors import ActorFailed, ConfigError, SnakeError
 from snake.lr import SCHEDULES as LR_SCHEDULES
 from snake.lr import WarmupConstant, describe
@@ -91,7 +99,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", type=_placement, default="0.5,0.5,0.5",
                    help="CPU shares param,ckpt,opt (rest on SSD)")
     p.add_argument("--alpha", type=float, default=None,
-                   help="delayed share of each optimizer step (default 0.25; 1.0 with --max-grad-norm)")
+                   help="delayed share of each optimizer step (default 0.25; 1.0 with --max-grad-norm or a "
+                        "dynamic --loss-scale)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", default="constant", choices=list(LR_SCHEDULES),
                    help="the rate after --warmup-steps: constant, or decaying to 0 at --decay-steps")
@@ -106,6 +115,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="the step at which linear or cosine reaches 0 (default: this run's last step; "
                         "give the same N to a --resume run to continue one schedule)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--loss-scale", type=_loss_scale, default=None, metavar="dynamic|X",
+                   help="float16's loss scale: dynamic (the default there: an overflowed step is skipped and the "
+                        "scale backs off, as torch.amp.GradScaler; needs --alpha 1, its default then) or a "
+                        "static number")
     p.add_argument("--schedule", default="vertical", choices=["vertical", "horizontal"])
     p.add_argument("--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: CUDA if present)")
     p.add_argument("--storage-backend", default="auto", choices=list(STORAGE_BACKENDS),
@@ -123,6 +136,19 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from a checkpoint --checkpoint wrote (same model options; --steps more steps)")
     p.add_argument("--eval-batches", type=_count, default=8, metavar="N",
                    help="validation loss before and after training on N batches of the held-out text (0: none)")
+
+
+def _loss_scale(text: str) -> float | str:
+    """An argparse type: "dynamic" or a static scale > 0 (--loss-scale)."""
+    if text == "dynamic":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'dynamic' nor a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0, or 'dynamic'")
+    return value
 
 
 def _placement(text: str) -> Placement:
@@ -143,6 +169,9 @@ def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
 
     if args.embd % args.heads:
         raise ConfigError("--heads", args.heads, f"must divide --embd={args.embd}", "e.g. --embd 192 --heads 6")
+    if args.loss_scale is not None and args.dtype != "float16":
+        raise ConfigError("--loss-scale", args.loss_scale, f"applies to --dtype float16 only, not {args.dtype}",
+                          "drop --loss-scale, or add --dtype float16")
     if args.save_every and not args.checkpoint:
         raise ConfigError("--save-every", args.save_every, "needs --checkpoint DIR to save to", "add --checkpoint DIR")
     if args.batch % args.micro_batches:
@@ -180,9 +209,12 @@ def _lr_schedule(args: argparse.Namespace) -> Any:
 
 
 def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
+    dynamic = args.dtype == "float16" and args.loss_scale in (None, "dynamic")
+    waits = dynamic or args.max_grad_norm not in (None, math.inf)  # every step needs the whole gradient
     return SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
-        alpha=args.alpha if args.alpha is not None else 1.0 if args.max_grad_norm not in (None, math.inf) else 0.25,
+        alpha=args.alpha if args.alpha is not None else 1.0 if waits else 0.25,
+        loss_scale=DynamicLossScale() if dynamic else args.loss_scale or 1024.0,
         optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args), max_grad_norm=args.max_grad_norm,
                         no_decay=biases_and_norms if args.no_decay_norms else None),
         dtype=args.dtype,
@@ -348,7 +380,7 @@ def _config_dict(config: SnakeConfig) -> dict[str, Any]:
     out = _config_json(asdict(config))
     out["optimizer"]["lr_schedule"] = describe(config.optimizer.lr_schedule)
     out["optimizer"]["no_decay"] = describe(config.optimizer.no_decay)
-    out["optimizer"]["max_grad_norm"] = bound_json(config.optimizer.max_grad_norm)
+    out["optimizer"]["max_grad_norm"] = json_float(config.optimizer.max_grad_norm)
     return out
 
 
@@ -376,10 +408,11 @@ async def _train_run(
             val["before"] = (await trainer.evaluate(held)).loss
         bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
         links: dict[str, str] = {}
+        skipped = [0]  # steps a dynamic loss scale skipped (an overflow)
 
         def on_step(s) -> None:  # type: ignore[no-untyped-def]
             steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens, "lr": s.lr,
-                          "grad_norm": s.grad_norm})
+                          "grad_norm": json_float(s.grad_norm), "loss_scale": s.loss_scale, "skipped": s.skipped})
             if len(steps) % 10 == 1:  # bandwidth per tier link, from the trace
                 for link, v in trainer.trace.summary()["links"].items():
                     links[link] = f"{v['avg_bytes_per_s'] / 2**20:.0f}MiB/s"
@@ -388,6 +421,11 @@ async def _train_run(
                 info["lr"] = f"{s.lr:.2e}"
             if s.grad_norm is not None:
                 info["gnorm"] = f"{s.grad_norm:.3f}"
+            if s.loss_scale is not None:
+                info["scale"] = f"{s.loss_scale:g}"
+                skipped[0] += s.skipped
+                if skipped[0]:
+                    info["skipped"] = str(skipped[0])
             bar.set_postfix(info, refresh=False)
             bar.update(1)
 

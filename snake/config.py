@@ -69,6 +69,36 @@ class Placement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DynamicLossScale:
+    """float16's loss scale adjusted as `torch.amp.GradScaler` adjusts it (its arguments and
+    defaults): an iteration whose gradients hold an inf or NaN takes no optimizer step and
+    multiplies the scale by `backoff_factor`; after `growth_interval` iterations in a row
+    without one the scale is multiplied by `growth_factor`. The gradients' finiteness is
+    only known once the whole backward is done, so every step waits for it: alpha=1.0
+    (snake.scaler)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not (_finite(self.init_scale) and self.init_scale > 0):
+            raise ConfigError("loss_scale.init_scale", self.init_scale, "must be a finite number > 0",
+                              "GradScaler's default is 2.0**16")
+        if not (_finite(self.growth_factor) and self.growth_factor > 1):
+            raise ConfigError("loss_scale.growth_factor", self.growth_factor, "must be a finite number > 1",
+                              "GradScaler's default is 2.0")
+        if not (_finite(self.backoff_factor) and 0 < self.backoff_factor < 1):
+            raise ConfigError("loss_scale.backoff_factor", self.backoff_factor, "must be in (0, 1)",
+                              "GradScaler's default is 0.5")
+        gi = self.growth_interval
+        if not isinstance(gi, int) or isinstance(gi, bool) or gi < 1:
+            raise ConfigError("loss_scale.growth_interval", gi, "must be an integer >= 1",
+                              "iterations without an overflow before the scale grows; GradScaler's default is 2000")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AdamW:
     """AdamW with the semantics (and defaults) of `torch.optim.AdamW`."""
 
@@ -141,7 +171,8 @@ class SnakeConfig:
     offload_dir: directory of the SSD tier (created with mode 0700).
     placement: CPU share of param / ckpt / opt; None: the planner chooses.
     alpha: fraction of each layer's optimizer step delayed into the next forward, in [0, 1];
-        None: the planner chooses. Clipping (optimizer.max_grad_norm) needs 1.
+        None: the planner chooses. Clipping (optimizer.max_grad_norm) and a dynamic loss scale
+        need 1.
     dtype: compute dtype; master weights and gradient accumulation are fp32.
     device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
     schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
@@ -155,7 +186,10 @@ class SnakeConfig:
     device_link_bytes_per_s: cap on host<->device transfers, each direction its own token
         bucket (a full-duplex PCIe link), for experiments: on a CPU device it charges the
         bytes a GPU would move, also where the CPU run moves none (a view of host memory).
-    loss_scale: static loss scale used with float16 (ignored otherwise).
+    loss_scale: float16's loss scale: a number, static (ignored with other dtypes; an
+        overflow then goes into the weights, as in plain PyTorch with a fixed scale), or a
+        DynamicLossScale (float16 only, alpha 1), which skips the steps of iterations whose
+        gradients overflow and adjusts the scale as torch.amp.GradScaler does.
     optimizer_workers: CPU optimizer threads (one actor each).
     io_threads: threads doing blocking SSD reads and writes.
     storage_backend: how the SSD tier's files are read and written: "auto" (kvikio on CUDA
@@ -188,7 +222,7 @@ class SnakeConfig:
     device_memory_bytes: int | None = None
     ssd_bandwidth_bytes_per_s: float | None = None
     device_link_bytes_per_s: float | None = None
-    loss_scale: float = 1024.0
+    loss_scale: float | DynamicLossScale = 1024.0
     optimizer_workers: int = 2
     io_threads: int = 2
     storage_backend: str = "auto"
@@ -210,14 +244,24 @@ class SnakeConfig:
             raise ConfigError("alpha", a, "must be in [0, 1]", "delayed share of the optimizer step; None lets the planner choose")
         if not isinstance(self.optimizer, AdamW):
             raise ConfigError("optimizer", self.optimizer, "must be a snake.AdamW")
-        if self.optimizer.clips and a is not None and a != 1.0:
-            raise ConfigError(
-                "alpha", a, f"must be 1.0 (or None) with optimizer.max_grad_norm={self.optimizer.max_grad_norm}",
-                "clipping needs the whole iteration's gradient before any step: alpha=1.0 delays every "
-                "step into the next iteration",
-            )
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", self.dtype, f"must be one of {DTYPES}")
+        ls = self.loss_scale
+        if isinstance(ls, DynamicLossScale):
+            if self.dtype != "float16":
+                raise ConfigError("loss_scale", "DynamicLossScale(...)", f"is for float16 only, not dtype={self.dtype!r}",
+                                  "float32 and bfloat16 need no loss scale: leave loss_scale out")
+        elif not (_finite(ls) and ls > 0):
+            raise ConfigError("loss_scale", ls, "must be a finite number > 0 or a snake.DynamicLossScale",
+                              "float16's static loss scale, e.g. 1024, or DynamicLossScale() as torch.amp.GradScaler")
+        if self.steps_wait and a is not None and a != 1.0:
+            what = (f"optimizer.max_grad_norm={self.optimizer.max_grad_norm}" if self.optimizer.clips
+                    else "a dynamic loss_scale")
+            raise ConfigError(
+                "alpha", a, f"must be 1.0 (or None) with {what}",
+                "every step needs the whole iteration's gradient first (its norm, or whether it overflowed): "
+                "alpha=1.0 delays every step into the next iteration",
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError("schedule", self.schedule, f"must be one of {SCHEDULES}")
         if self.device is not None:
@@ -244,8 +288,6 @@ class SnakeConfig:
             not isinstance(link, int | float) or isinstance(link, bool) or not math.isfinite(link) or not link > 0
         ):
             raise ConfigError("device_link_bytes_per_s", link, "must be > 0 bytes/s or None (no cap)")
-        if not (_finite(self.loss_scale) and self.loss_scale > 0):
-            raise ConfigError("loss_scale", self.loss_scale, "must be a finite number > 0", "float16's static loss scale, e.g. 1024")
         st = self.stall_timeout_s
         if st is not None and (not _number(st) or not st > 0):
             raise ConfigError("stall_timeout_s", st, "must be > 0 seconds or None (no watchdog)")
@@ -267,6 +309,18 @@ class SnakeConfig:
                 "io_threads", self.io_threads, f"must be <= {MAX_IO_THREADS}",
                 "more threads do not make one SSD faster; 2 to 8 is typical",
             )
+
+    @property
+    def dynamic_scale(self) -> DynamicLossScale | None:
+        """The dynamic loss scale in effect (float16 with a DynamicLossScale), else None."""
+        return self.loss_scale if isinstance(self.loss_scale, DynamicLossScale) else None
+
+    @property
+    def steps_wait(self) -> bool:
+        """Whether every optimizer step waits for the whole iteration's gradient: clipping
+        (its global norm) or a dynamic loss scale (whether any gradient overflowed). Both
+        need alpha = 1."""
+        return self.optimizer.clips or self.dynamic_scale is not None
 
 
 def tiny_cpu(offload_dir: str | Path) -> SnakeConfig:

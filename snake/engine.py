@@ -118,9 +118,11 @@ class Engine:
         # a gradient in the iteration its gradient is of (Kernels.take_skipped)
         self.delayed_skips: dict[int, tuple[int, ...]] = {}
         # clipping by the global gradient norm (AdamW.max_grad_norm, at alpha = 1), or with
-        # max_grad_norm=inf only the norm: the norms and coefficients of the iterations in flight
+        # max_grad_norm=inf only the norm, and float16's dynamic loss scale (at alpha = 1):
+        # the norms, coefficients and skipped steps of the iterations in flight
         mg = config.optimizer.max_grad_norm
-        self.clip = GradClip(mg, parts) if mg is not None else None
+        self.scaler = k.scaler
+        self.clip = GradClip(mg, parts, k.scaler) if mg is not None or k.scaler is not None else None
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None

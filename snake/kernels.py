@@ -42,12 +42,13 @@ from snake.adapters import (
 )
 from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
 from snake.clip import scale
-from snake.config import SnakeConfig
+from snake.config import DynamicLossScale, SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
 from snake.errors import Stopped, StorageError
 from snake.memory import resident_chunk
 from snake.optim import adamw_step, decay_flags
+from snake.scaler import LossScaler
 from snake.stores import TierStore, Unit
 
 log = logging.getLogger("snake")
@@ -86,7 +87,10 @@ class Kernels:
         CPU copy of the layers' frozen parameters (`frozen_host`)."""
         self.device = device
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.scale = float(config.loss_scale) if config.dtype == "float16" else 1.0
+        # float16's loss scale: static, or the dynamic one's current value (`scale`)
+        self.scaler = LossScaler(config.dynamic_scale) if config.dynamic_scale is not None else None
+        static = config.loss_scale
+        self._static_scale = float(static) if config.dtype == "float16" and not isinstance(static, DynamicLossScale) else 1.0
         self.seed = config.seed
         self.n_micro = n_micro
         self.generators: list[torch.Generator] = [torch.default_generator]
@@ -407,6 +411,11 @@ class Kernels:
         return [v.view(s) for v, s in zip(flat.split(self.kind_frozen_numels[kind]), self.kind_frozen_shapes[kind],
                                           strict=True)]
 
+    @property
+    def scale(self) -> float:
+        """The loss scale of the iteration in progress (1 but in float16)."""
+        return self.scaler.scale if self.scaler is not None else self._static_scale
+
     def _res_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """pre/post's parameters (`tensors`) and buffers by name, for functional_call."""
         d = dict(zip(self.res_names[: self.n_outer], tensors, strict=True))
@@ -583,6 +592,15 @@ class Kernels:
                 )
         return skipped
 
+    def miss_step(self, layer: int, skipped: tuple[int, ...]) -> None:
+        """`layer`'s step of an iteration whose steps are skipped (a dynamic loss scale's
+        overflow): every parameter counts a missed step, as `take_skipped` counted those
+        `skipped` for want of a gradient already."""
+        missed, off = self.layer_skips[layer], set(skipped)
+        for i in range(len(self.kind_numels[self.kinds[layer]])):
+            if i not in off:
+                missed[i] = missed.get(i, 0) + 1
+
     def layer_steps(self, layer: int, step: int, skipped: tuple[int, ...]) -> list[int | None] | None:
         """Per parameter of `layer`, the AdamW step count its step `step` applies (step
         minus the steps it missed), None for one `skipped` now; None when every parameter
@@ -603,21 +621,29 @@ class Kernels:
         self._accumulate_resident(grads)
 
     # -- resident optimizer step --------------------------------------------------------
-    def resident_step(self, step: int, clip: Callable[[list[torch.Tensor]], torch.Tensor] | None = None) -> int:
+    def resident_step(
+        self, step: int, clip: Callable[[list[torch.Tensor]], tuple[torch.Tensor | None, bool]] | None = None
+    ) -> int:
         """AdamW on pre/post, step count `step` for each parameter less the iterations it had
         no gradient in; one without a gradient this iteration is left, as torch.optim.AdamW
         leaves it. With the state on SSD, chunk by chunk: read, step, write back, and the
-        chunk's master to the device copy. `clip`: with clipping, takes the resident
-        gradients' norms and gives the iteration's coefficient (`GradClip.finish`), which
-        scales them first. Returns the SSD bytes read and written."""
+        chunk's master to the device copy. `clip`: with clipping or a dynamic loss scale,
+        takes the resident gradients' norms and gives the iteration's coefficient, which
+        scales them first, and whether the iteration's steps are skipped (`GradClip.finish`):
+        then no parameter is stepped. Returns the SSD bytes read and written."""
+        skip = False
         if clip is not None:
-            scale(self.res_grad, clip([torch.linalg.vector_norm(g) for g in self.res_grad]))
-        on = [i for i, got in enumerate(self.res_got) if got]
+            coef, skip = clip([torch.linalg.vector_norm(g) for g in self.res_grad])
+            if not skip:
+                scale(self.res_grad, coef)
+        on = [i for i, got in enumerate(self.res_got) if got and not skip]
         for i, got in enumerate(self.res_got):
-            if not got:
+            if skip or not got:
                 self.res_skips[i] += 1
         moved = 0
-        if self.res_store is None and self.res_gstage is None:  # a CPU device: the gradients are host memory
+        if not on:  # an overflow, or no resident parameter got a gradient: nothing changes
+            pass
+        elif self.res_store is None and self.res_gstage is None:  # a CPU device: the gradients are host memory
             adamw_step([self.res_master[i] for i in on], [self.res_grad[i] for i in on], [self.res_m[i] for i in on],
                        [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt, lr=self.opt.lr_at(step),
                        decay=[self.res_decay[i] for i in on])

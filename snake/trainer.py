@@ -52,7 +52,8 @@ _NEXT_GRACE_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
-    """steps[i]: .loss (mean over the global batch), .seconds, .tokens, .lr (the rate it stepped with)."""
+    """steps[i]: .loss (mean over the global batch), .seconds, .tokens, .lr (the rate it stepped with),
+    .grad_norm, .loss_scale and .skipped (float16's loss scale; `StepReport`)."""
 
     steps: list[StepReport]
     traffic: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -470,14 +471,15 @@ class SnakeTrainer:
                + ("; resident_optimizer='ssd' puts the embeddings' and head's optimizer state on SSD "
                   f"({fmt_bytes(resident_host_bytes(shape.resident_params, False, kind == 'cuda'))} of CPU memory now)"
                   if cfg.resident_optimizer == "cpu" and shape.resident_params else ""))
-        if cfg.optimizer.clips and cfg.schedule == "vertical":  # alpha = 1: what holding every gradient costs
+        if cfg.steps_wait and cfg.schedule == "vertical":  # alpha = 1: what holding every gradient costs
             kw = dict(n_micro=m, schedule=cfg.schedule, workers=cfg.optimizer_workers, param=p.param, ckpt=p.ckpt,
                       opt=p.opt, device_type=kind, resident_on_ssd=cfg.resident_optimizer == "ssd",
                       offload_in_memory=in_memory)
             held = need - placement_bytes(shape, alpha=0.0, **kw)  # type: ignore[arg-type]
             if held > 0:
-                fix += (f"; clipping (optimizer.max_grad_norm) holds every layer's fp32 gradient until its step, "
-                        f"{fmt_bytes(held)} of the need (without clipping, alpha=0.0 needs none of it)")
+                why = "clipping (optimizer.max_grad_norm)" if cfg.optimizer.clips else "a dynamic loss_scale"
+                fix += (f"; {why} holds every layer's fp32 gradient until its step, "
+                        f"{fmt_bytes(held)} of the need (without it, alpha=0.0 needs none of it)")
         if in_memory:
             fix = (f"put offload_dir on a disk: {self.offload_dir} is in memory (tmpfs), so its SSD tier takes CPU "
                    f"memory too (counted here); or {fix}")

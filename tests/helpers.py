@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -94,13 +95,15 @@ def param_groups(named, no_decay, wd: float) -> list[dict]:
 
 
 def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-                    lr_lambda=None, no_decay=None, max_norm=None, fused=None):
+                    lr_lambda=None, no_decay=None, max_norm=None, scaler=None, scales=None, fused=None):
     """Plain PyTorch mixed precision: the model computes in its own dtypes (bfloat16, with
     whatever it keeps in float32), fp32 master weights, gradients summed over micro-batches in
     fp32, torch AdamW on the masters, the masters cast back into the model after each step.
-    `fused=True`: torch's fused AdamW, the kernel snake steps with (its last bit differs from
-    the default's, which can move a low-precision weight across a rounding boundary).
-    Returns the masters by parameter name."""
+    `scaler`: a torch.amp.GradScaler (float16) that scales each loss, unscales the summed
+    gradients (before clipping), steps and updates, appending (the scale the step used,
+    whether it skipped the step) to `scales`. `fused=True`: torch's fused AdamW, the kernel
+    snake steps with (its last bit differs from the default's, which can move a bf16 or fp16
+    weight across a rounding boundary). Returns the masters by parameter name."""
     m = copy.deepcopy(model)
     m.train()
     named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
@@ -115,18 +118,30 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
             logits = m(xc)
             logits = getattr(logits, "logits", logits)
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yc.reshape(-1)) / micro
-            for i, g in enumerate(torch.autograd.grad(loss, params, allow_unused=True)):
+            grads = torch.autograd.grad(loss if scaler is None else scaler.scale(loss), params, allow_unused=True)
+            for i, g in enumerate(grads):
                 if g is not None:
                     acc[i] = g.float() if acc[i] is None else acc[i] + g.float()
         for master, g in zip(masters, acc, strict=True):
             master.grad = g
         if fused:
             as_param_strides(masters)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(masters, max_norm)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scales is not None:
+                scales.append((before, scaler.get_scale() < before))
         if sched is not None:
-            sched.step()
+            with warnings.catch_warnings():  # after a step GradScaler skipped, as intended
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+                sched.step()
         with torch.no_grad():
             for p, master in zip(params, masters, strict=True):
                 p.copy_(master)

@@ -181,6 +181,24 @@ def test_max_grad_norm_clips_with_every_step_delayed(tmp_path):
     assert [s["loss"] for s in measured["steps"]] == [s["loss"] for s in default["steps"]]
 
 
+def test_float16_scales_the_loss_dynamically_unless_told_a_number(tmp_path):
+    """--dtype float16: a dynamic loss scale by default (GradScaler's defaults; alpha 1
+    then), each step's scale and whether it was skipped in report.json; --loss-scale X: a
+    static scale, at the default alpha."""
+    def train(name: str, *extra: str) -> dict:
+        out = tmp_path / name
+        assert main(["train", "--steps", "2", "--out", str(out), "--offload-dir", str(tmp_path / f"off-{name}"),
+                     "--eval-batches", "0", "--dtype", "float16", *SMALL, *extra]) == 0
+        return json.loads((out / "report.json").read_text(), parse_constant=_no_constant)
+
+    dynamic, static = train("dynamic"), train("static", "--loss-scale", "512")
+    assert dynamic["config"]["alpha"] == 1.0 and dynamic["config"]["loss_scale"]["init_scale"] == 2.0**16
+    assert [(s["loss_scale"], s["skipped"]) for s in dynamic["steps"]] == [(2.0**16, False)] * 2
+    assert all(s["grad_norm"] > 0 for s in dynamic["steps"])
+    assert static["config"]["alpha"] == 0.25 and static["config"]["loss_scale"] == 512.0
+    assert [(s["loss_scale"], s["skipped"], s["grad_norm"]) for s in static["steps"]] == [(512.0, False, None)] * 2
+
+
 def test_no_decay_norms_leaves_the_norms_undecayed(tmp_path):
     """--no-decay-norms: the report names the filter, and after one step only 1-D weights
     differ from a run that decays every weight: the norms' (the biases start at 0, which

@@ -11,7 +11,15 @@ import time
 import pytest
 import torch
 
-from snake import ActorFailed, AdamW, ConfigError, Placement, SnakeConfig, SnakeTrainer
+from snake import (
+    ActorFailed,
+    AdamW,
+    ConfigError,
+    DynamicLossScale,
+    Placement,
+    SnakeConfig,
+    SnakeTrainer,
+)
 from snake.faults import ActorFaults
 from tests.helpers import (
     assert_close_state,
@@ -186,17 +194,21 @@ async def test_a_fault_while_steps_wait_for_the_norm_fails_quickly(tmp_path, act
 
 
 @pytest.mark.asyncio
-async def test_a_placement_that_cannot_hold_the_gradients_names_clipping(tmp_path):
+@pytest.mark.parametrize("waits,why", [
+    (dict(optimizer=AdamW(max_grad_norm=1.0)), "clipping"),
+    (dict(dtype="float16", loss_scale=DynamicLossScale()), "a dynamic loss_scale"),
+])
+async def test_a_placement_that_cannot_hold_the_gradients_names_clipping(tmp_path, waits, why):
     """Over the memory budget, the error says how much of the need is the gradients that
-    clipping holds (vertical keeps each layer's fp32 gradient until its step at alpha = 1),
-    and nothing starts."""
+    clipping (or a dynamic loss scale) holds (vertical keeps each layer's fp32 gradient until
+    its step at alpha = 1), and nothing starts."""
     from snake.memory import fmt_size
 
     model = tiny_gpt(n_layer=4, n_embd=256)
     cfg = SnakeConfig(micro_batches=2, placement=Placement.all_ssd(), alpha=1.0, offload_dir=tmp_path, device="cpu",
-                      optimizer=AdamW(max_grad_norm=1.0), cpu_memory_bytes=200_000_000)
+                      cpu_memory_bytes=200_000_000, **waits)
     async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
-        with pytest.raises(ConfigError, match="clipping") as err:
+        with pytest.raises(ConfigError, match=why + r" \(optimizer.max_grad_norm\) holds|" + why + " holds") as err:
             await t.run(1)
         assert t.engine is None
     held = 4 * sum(p.numel() for p in model.blocks.parameters())  # every layer's gradient, fp32

@@ -111,9 +111,14 @@ class StepReport:
     seconds: float
     tokens: int
     lr: float  # the optimizer's rate for this step (`AdamW.lr_at`)
-    # with AdamW.max_grad_norm: the gradients' global 2-norm, before clipping (what
-    # clip_grad_norm_ returns); None without
+    # with AdamW.max_grad_norm or a dynamic loss scale: the gradients' global 2-norm, before
+    # clipping (what clip_grad_norm_ returns; inf or nan where one overflowed); None without
     grad_norm: float | None = None
+    # float16: the loss scale this step's backward used; None in other dtypes
+    loss_scale: float | None = None
+    # a dynamic loss scale's overflow: no parameter was stepped (as GradScaler.step skips
+    # optimizer.step()); the learning-rate schedule counted the step all the same
+    skipped: bool = False
 
 
 class Compute(Actor):
@@ -197,8 +202,11 @@ class Compute(Actor):
                 e.traffic.add(t, "ssd", "cpu", "opt", moved // 2)
                 e.traffic.add(t, "cpu", "ssd", "opt", moved // 2)
             loss = await self._k("loss", _total, losses)
+            scale = e.clip.scales[t] if e.scaler is not None and e.clip is not None else e.kernels.scale
             report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens, e.config.optimizer.lr_at(t + 1),
-                                None if e.clip is None else e.clip.totals[t])
+                                None if e.clip is None else e.clip.totals[t],
+                                scale if e.config.dtype == "float16" else None,
+                                e.clip is not None and e.clip.skips[t])
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)

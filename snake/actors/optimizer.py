@@ -71,6 +71,7 @@ class OptimizerWorker(Actor):
         host: torch.Tensor | None = None
         grads: torch.Tensor | list[torch.Tensor]
         coef: torch.Tensor | None = None
+        skip = False
         if op.kind == "now":
             msg: GradsOnHost = await self.inbox.take(("grads", op.t, op.layer))
             host = msg.buf
@@ -85,11 +86,15 @@ class OptimizerWorker(Actor):
                 return
         else:
             await self.clock.wait_for(op.key)  # type: ignore[arg-type]
-            # with clipping, the coefficient of the iteration these gradients are of
-            coef = await e.clip.coef(op.t - 1) if e.clip is not None and e.clip.clips else None
+            # with clipping, the coefficient of the iteration these gradients are of; with a
+            # dynamic loss scale, whether its steps are skipped
+            if e.clip is not None and e.clip.waits:
+                coef, skip = await e.clip.coef(op.t - 1)
             full = None
             grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
             skipped = e.delayed_skips.pop(op.layer, ())
+            if skip:
+                e.kernels.miss_step(op.layer, skipped)
         counts = e.kernels.layer_steps(op.layer, op.step, skipped)
         ostore, pstore = e.stores["opt"], e.stores["param"]
         ou = ostore.unit((op.layer, op.part))
@@ -102,7 +107,7 @@ class OptimizerWorker(Actor):
 
         def work() -> None:
             step_unit(e, grads, ou, otail, pu, ptail, op.step,
-                      counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now, clip=coef)
+                      counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now, clip=coef, skip=skip)
             if full is not None and e.vertical and n_del:
                 # into the layer's delayed parameter share (stale now) and its spare room
                 scatter([full[n_now:n]], e.delayed_grads[op.layer])
@@ -162,6 +167,7 @@ def step_unit(
     layer: int = 0,
     first: int = 0,
     clip: torch.Tensor | None = None,
+    skip: bool = False,
 ) -> None:
     """Blocking: AdamW on one part of one layer, its state split between the CPU head and
     the staged SSD tail, its gradient one tensor or consecutive pieces; then the new
@@ -170,12 +176,35 @@ def step_unit(
     the delayed parameters it updates). `counts`: per parameter of the layer, its own step
     count, None to leave it (`Kernels.layer_steps`; the part starts at element `first` of
     the layer); without them every element takes `step`. `clip`: the coefficient of global-
-    norm clipping, which scales the gradient (in place) first."""
-    scale(grads if isinstance(grads, list) else [grads], clip)
+    norm clipping, which scales the gradient (in place) first. `skip`: an iteration whose
+    steps a dynamic loss scale skips (an overflow): no AdamW, the state as it was, and the
+    compute-dtype parameters written from the masters all the same (vertical keeps the
+    delayed gradient in their memory)."""
     ostore, pstore = e.stores["opt"], e.stores["param"]
     pieces = [ostore.head(ou)]
     if otail is not None:
         pieces.append(ostore.tail(ou, otail))
+    if not skip:
+        _adamw_unit(e, grads, pieces, step, counts=counts, layer=layer, first=first, clip=clip)
+    dst = [pstore.head(pu)[0]]
+    if ptail is not None:
+        dst.append(pstore.tail(pu, ptail)[0])
+    scatter([p[0] for p in pieces], dst)
+
+
+def _adamw_unit(
+    e: Engine,
+    grads: torch.Tensor | list[torch.Tensor],
+    pieces: list[torch.Tensor],
+    step: int,
+    *,
+    counts: list[int | None] | None,
+    layer: int,
+    first: int,
+    clip: torch.Tensor | None,
+) -> None:
+    """step_unit's AdamW on the unit's `pieces` (rows: master, m, v; the CPU head, then the staged tail)."""
+    scale(grads if isinstance(grads, list) else [grads], clip)
     cuts = _aligned([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces],
                      grads if isinstance(grads, list) else [grads]])
     steps: int | list[int] = step
@@ -188,10 +217,6 @@ def step_unit(
                                            decays or [True] * len(numels))
     adamw_step([c[0] for c in cuts], [c[3] for c in cuts], [c[1] for c in cuts], [c[2] for c in cuts],
                step=steps, opt=e.config.optimizer, lr=e.config.optimizer.lr_at(step), decay=decay)
-    dst = [pstore.head(pu)[0]]
-    if ptail is not None:
-        dst.append(pstore.tail(pu, ptail)[0])
-    scatter([p[0] for p in pieces], dst)
 
 
 def flush_delayed(e: Engine) -> None:
@@ -203,6 +228,7 @@ def flush_delayed(e: Engine) -> None:
     if not e.plans.has_delayed(t, e.first_delayed):
         return
     ostore, pstore = e.stores["opt"], e.stores["param"]
+    coef, skip = e.clip.verdict(t - 1) if e.clip is not None and e.clip.waits else (None, False)
     e.flush_partial = False  # no layer changed yet: a failure here can be retried
     obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
     pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
@@ -213,9 +239,12 @@ def flush_delayed(e: Engine) -> None:
         if ou.tail_n:
             ostore.read_tail(ou, obuf)
         e.flush_partial = True  # from here the CPU copies change in place
-        counts = e.kernels.layer_steps(layer, t, e.delayed_skips.pop(layer, ()))
+        skipped = e.delayed_skips.pop(layer, ())
+        if skip:
+            e.kernels.miss_step(layer, skipped)
+        counts = e.kernels.layer_steps(layer, t, skipped)
         step_unit(e, grads, ou, obuf if ou.tail_n else None, pu, pbuf if pu.tail_n else None, t,
-                  counts=counts, layer=layer, first=n_now, clip=e.clip.coefs[t - 1] if e.clip is not None and e.clip.clips else None)
+                  counts=counts, layer=layer, first=n_now, clip=coef, skip=skip)
         if ou.tail_n:
             ostore.write_tail(ou, obuf)
         if pu.tail_n:

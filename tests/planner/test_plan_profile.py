@@ -21,7 +21,7 @@ from planner import (
     plan_for_trainer,
     shape_of,
 )
-from snake.config import Placement, SnakeConfig
+from snake.config import AdamW, DynamicLossScale, Placement, SnakeConfig
 from snake.errors import ConfigError
 from snake.models.gpt import GPT, GPTConfig
 
@@ -233,3 +233,19 @@ def test_affine_profile_interpolates_per_micro_batch_times():
     assert half.bwd_seconds == pytest.approx(0.007 + (0.020 - 0.007) / 3)
     assert half.shape.tokens_per_micro == 2048
     assert affine_profile(big, big, 0.5).fwd_seconds == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("waits", [
+    dict(optimizer=AdamW(max_grad_norm=1.0)),
+    dict(dtype="float16", loss_scale=DynamicLossScale()),
+], ids=["clipping", "dynamic-loss-scale"])
+def test_plan_for_config_delays_every_step_when_steps_wait_for_the_whole_gradient(tmp_path, waits):
+    """Clipping and a dynamic loss scale need every layer's gradient before any step: with
+    alpha=None the planner plans alpha = 1 for them, where it would choose less without."""
+    p = synthetic_profile()
+    cfg = SnakeConfig(offload_dir=tmp_path, micro_batches=None, placement=None, alpha=None,
+                      cpu_memory_bytes=16 << 30)
+    free = plan_for_config(None, cfg, 4, 1024, "cuda", profile=p)
+    assert isinstance(free, Plan) and free.alpha < 1.0
+    plan = plan_for_config(None, dataclasses.replace(cfg, **waits), 4, 1024, "cuda", profile=p)
+    assert isinstance(plan, Plan) and plan.alpha == 1.0
