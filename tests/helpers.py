@@ -95,7 +95,8 @@ def param_groups(named, no_decay, wd: float) -> list[dict]:
 
 
 def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-                    lr_lambda=None, no_decay=None, max_norm=None, scaler=None, scales=None, fused=None):
+                    lr_lambda=None, no_decay=None, max_norm=None, scaler=None, scales=None, fused=None,
+                    device: str = "cpu"):
     """Plain PyTorch mixed precision: the model computes in its own dtypes (bfloat16, with
     whatever it keeps in float32), fp32 master weights, gradients summed over micro-batches in
     fp32, torch AdamW on the masters, the masters cast back into the model after each step.
@@ -103,9 +104,11 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
     gradients (before clipping), steps and updates, appending (the scale the step used,
     whether it skipped the step) to `scales`. `fused=True`: torch's fused AdamW, the kernel
     snake steps with (its last bit differs from the default's, which can move a bf16 or fp16
-    weight across a rounding boundary). Returns the masters by parameter name."""
-    m = copy.deepcopy(model)
+    weight across a rounding boundary). Runs on `device`; returns the masters (on the CPU) by
+    parameter name."""
+    m = copy.deepcopy(model).to(device)
     m.train()
+    data = [(x.to(device), y.to(device)) for x, y in data]
     named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     masters = [p.detach().float().clone() for p in params]
@@ -145,7 +148,7 @@ def mixed_reference(model: torch.nn.Module, data, micro: int, *, lr=1e-3, betas=
         with torch.no_grad():
             for p, master in zip(params, masters, strict=True):
                 p.copy_(master)
-    return {n: master.clone() for (n, _), master in zip(named, masters, strict=True)}
+    return {n: master.to("cpu", copy=True) for (n, _), master in zip(named, masters, strict=True)}
 
 
 def assert_close_state(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6, exact: dict | None = None) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from snake import AdamW, Placement, SnakeConfig, SnakeTrainer
-from tests.helpers import assert_tracks_updates, batches, reference, tiny_gpt
+from tests.helpers import assert_tracks_updates, batches, mixed_reference, reference, tiny_gpt
 
 PLACEMENTS = {
     "mixed": (Placement(param=0.5, ckpt=0.5, opt=0.5), 0.3),
@@ -139,6 +139,31 @@ async def test_mixed_precision_on_cuda_tracks_fp32(tmp_path, dtype):
     assert all(v.dtype == torch.float32 for v in got.values())
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=5e-3)
     assert_tracks_updates({k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}, init)
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_dynamic_loss_scale_on_cuda_skips_the_steps_grad_scaler_skips(tmp_path, schedule):
+    """float16 on the GPU with a dynamic loss scale (tests/test_loss_scale.py on a CPU): the
+    steps torch.amp.GradScaler skips on the same GPU are skipped, at the same scales, and the
+    weights follow its (its AdamW runs on the GPU, snake's on the CPU: not to the bit)."""
+    from tests.test_loss_scale import OVERFLOWS, fp16_gpt
+
+    model = fp16_gpt()
+    init = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    data = batches(6, 4)
+    scales: list[tuple[float, bool]] = []
+    scaler = torch.amp.GradScaler("cuda", init_scale=OVERFLOWS.init_scale, growth_interval=OVERFLOWS.growth_interval)
+    want = mixed_reference(model, data, 2, scaler=scaler, scales=scales, fused=True, device="cuda")
+    assert any(s for _, s in scales) and not all(s for _, s in scales)
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=PLACEMENTS["mixed"][0], alpha=1.0,
+                      schedule=schedule, dtype="float16", device="cuda", loss_scale=OVERFLOWS)
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        report = await trainer.run(6)
+        got = await trainer.state_dict()
+    assert [(s.loss_scale, s.skipped) for s in report.steps] == scales
+    assert_tracks_updates({k: got[k].cpu() for k in want}, want, {k: init[k] for k in want}, overall=0.01, each=0.05)
 
 
 @pytest.mark.cuda
