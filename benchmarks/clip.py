@@ -4,11 +4,15 @@ of one model, side by side in one process, rounds interleaved:
   - `alpha1`: no clipping, every step delayed into the next iteration (alpha = 1);
   - `clip`: alpha = 1 and `AdamW(max_grad_norm=...)`, a bound every step's norm exceeds.
 `clip / alpha1` is what the norms and the wait for them cost; `alpha1 / alpha0` what
-delaying every step costs, which clipping needs.
+delaying every step costs, which clipping needs. With `--dtype float16` every trainer
+computes in float16 (a static loss scale of 1024) and a fourth one is added:
+  - `dynamic`: alpha = 1 and a dynamic loss scale (`DynamicLossScale(init_scale=1024)`: no
+    step overflows here, so every step is taken, as in the others);
+`dynamic / alpha1` is what the dynamic scale's norms and the wait for them cost.
 
     python benchmarks/clip.py [--layers 8] [--width 512] [--seq 128] [--micro-batches 4]
                               [--micro-batch-size 2] [--placement 0.5,0.5,0.5] [--rounds 6]
-                              [--steps 2]   # ~3 min on 2 cores
+                              [--steps 2] [--dtype float16]   # ~3 min on 2 cores (float32)
 
 CPU device unless CUDA is present. Each trainer takes one warm-up step, then per round each
 runs `--steps` steps, in an order that rotates. Reports medians over rounds of seconds per
@@ -33,7 +37,7 @@ from common import (  # type: ignore[import-not-found]
     save,
 )
 
-from snake import AdamW, Placement, SnakeConfig, SnakeTrainer
+from snake import AdamW, DynamicLossScale, Placement, SnakeConfig, SnakeTrainer
 
 WAYS = {
     "alpha0": dict(alpha=0.0, optimizer=AdamW(lr=1e-4)),
@@ -51,34 +55,42 @@ async def measure(args: argparse.Namespace, device: str) -> dict:
     cfg = gpt_config(args.layers, args.width, args.seq)
     rows = args.micro_batches * args.micro_batch_size
     data = on_worker(make_batches, cfg, rows, args.seq, 1 + args.rounds * args.steps)
+    ways = dict(WAYS)
+    if args.dtype == "float16":
+        ways["dynamic"] = dict(alpha=1.0, optimizer=AdamW(lr=1e-4), loss_scale=DynamicLossScale(init_scale=1024.0))
     trainers = {}
-    for name, kw in WAYS.items():
+    for name, kw in ways.items():
         config = SnakeConfig(micro_batches=args.micro_batches, offload_dir=SCRATCH / f"clip-{name}",
-                             placement=args.placement, device=device, **kw)  # type: ignore[arg-type]
+                             placement=args.placement, device=device, dtype=args.dtype, **kw)  # type: ignore[arg-type]
         trainers[name] = SnakeTrainer(on_worker(make_model, cfg), data=data, config=config)
-    times: dict[str, list[float]] = {name: [] for name in WAYS}
+    times: dict[str, list[float]] = {name: [] for name in ways}
     norms: list[float] = []
+    skipped = 0
     try:
         for t in trainers.values():
             await t.run(1)  # warm-up (and setup)
-        names = list(WAYS)
+        names = list(ways)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 report = await trainers[name].run(args.steps)
                 times[name].append(report.seconds / args.steps)
                 if name == "clip":
                     norms += [s.grad_norm for s in report.steps]
-            print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in WAYS), flush=True)
+                skipped += sum(s.skipped for s in report.steps)
+            print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in ways), flush=True)
     finally:
         for t in trainers.values():
             await t.close()
     med = {name: statistics.median(v) for name, v in times.items()}
-    return {
-        "times": times, "median_s": med, "clip_norms": norms,
+    out = {
+        "times": times, "median_s": med, "clip_norms": norms, "skipped_steps": skipped,
         "clip_over_alpha1": med["clip"] / med["alpha1"],
         "alpha1_over_alpha0": med["alpha1"] / med["alpha0"],
         "clip_over_alpha0": med["clip"] / med["alpha0"],
     }
+    if "dynamic" in med:
+        out["dynamic_over_alpha1"] = med["dynamic"] / med["alpha1"]
+    return out
 
 
 def main() -> None:
@@ -90,6 +102,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per trainer and round")
     ap.add_argument("--placement", type=_placement, default=Placement(param=0.5, ckpt=0.5, opt=0.5),
                     help="param,ckpt,opt CPU shares")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                    help="compute dtype; float16 adds the dynamic loss scale's trainer")
     ap.add_argument("--name", default="clip", help="results/<name>.json")
     args = ap.parse_args()
     device = checked_device(args, ("micro_batches", "micro_batch_size", "rounds", "steps"))
