@@ -387,11 +387,12 @@ class Kernels:
     def trained(self, flat: torch.Tensor, layer: int) -> list[torch.Tensor]:
         """`views` that require a gradient, as a model's trained parameters do, for every call
         of a block (forward, recompute, evaluation), with autograd on or off. Some kernels are
-        picked by it: a weight that requires a gradient makes torch.matmul fold a 3-d input
-        into one matrix product (`should_fold`), where without one it takes another route;
-        on an AMD EPYC VM the two round differently in bfloat16 (a bf16 Mamba layer 1e-3 off
-        its PyTorch output), so a forward with plain views stored checkpoints that were not
-        the outputs the recompute and PyTorch's training step compute."""
+        picked by it, not by the grad mode: torch.matmul folds a 3-d input whose leading
+        dimensions are not contiguous into one matrix product (copying it) for a weight that
+        requires a gradient, where without one it runs a batched product (`should_fold`). On
+        an AMD EPYC VM the two round differently in bfloat16 (Mamba's out_proj: its layer's
+        output 1e-3 off PyTorch's), so a forward with plain views stored checkpoints that were
+        not the outputs the recompute and PyTorch's training step compute."""
         return [v.detach().requires_grad_(True) for v in self.views(flat, layer)]
 
     def frozen_views(self, slot: torch.Tensor, layer: int) -> list[torch.Tensor]:
