@@ -78,3 +78,27 @@ def test_rng_is_per_call_and_restores_callers_state():
     with k.rng(3, 1, 3):
         c = torch.rand(4)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_every_block_call_sees_its_weights_require_a_gradient():
+    """The forward, the recompute and an evaluation call a block with weights that require a
+    gradient, as PyTorch's training step and eval loss do: torch picks some kernels by it
+    (matmul folds a non-contiguous 3-d input for such a weight), and a forward that did not
+    stored checkpoints the recompute did not reproduce (a bf16 Mamba on an AMD CPU)."""
+    seen: list[bool] = []
+
+    class Probe(TiedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(self.inp.weight.requires_grad and self.scale.requires_grad)
+            return super().forward(x)
+
+    model = Tiny()
+    model.blocks = nn.ModuleList(Probe(8) for _ in range(2))
+    k = _kernels(model)
+    slot = torch.cat([p.detach().reshape(-1) for p in model.blocks[0].parameters()])
+    x = torch.randn(2, 3, 8)
+    k.block_fwd(slot, x, 0, 0, 0)
+    k.block_bwd(slot, x, torch.randn_like(x), torch.zeros_like(slot), t=0, layer=0, m=0, accumulate=False)
+    with k.eval_mode():
+        k.eval_block(slot, x, 0)
+    assert seen == [True, True, True]
