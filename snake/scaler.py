@@ -12,7 +12,7 @@ of them. The learning-rate schedule still counts the iteration, as `LambdaLR` st
 after every `scaler.step` does.
 
 The finiteness is known only after the whole backward, so every step waits for it (alpha =
-1, as clipping). SysX (section 4.3) steps first and rolls an overflowed iteration back by
+1, as clipping). SysX (section 3.2) steps first and rolls an overflowed iteration back by
 inverting Adam; that inversion is not exact in floating point, so snake delays instead.
 """
 
