@@ -14,7 +14,11 @@ from planner.profile import MachineProfile
 from planner.solve import Infeasible, Plan, solve
 from snake.config import Placement
 
-ALPHAS = tuple(i / 100 for i in range(51))  # 0.00, 0.01, ..., 0.50
+# 0.00, 0.01, ..., 0.50. The paper's alpha is in [0, 1], but a layer's forward stage carries
+# no more of any resource than its backward stage, so a delayed share above one half only
+# lengthens the forward (tests/planner/test_plan_search.py checks it over both devices' time
+# models). alpha = 1 is still run when clipping or a dynamic loss scale needs it.
+ALPHAS = tuple(i / 100 for i in range(51))
 MIN_GAIN = 1.01
 
 

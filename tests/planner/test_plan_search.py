@@ -80,3 +80,27 @@ def test_roofline_shape():
         assert r["horizontal_tokens_per_s"] <= r["vertical_tokens_per_s"] * (1 + 1e-9)
     assert rows[-1]["vertical_tokens_per_s"] is None  # 4096 micro-batches do not fit in 16 GiB
     assert rows[3]["vertical_tokens_per_s"] > rows[0]["vertical_tokens_per_s"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"], ids=["gpu-profile", "cpu-profile"])
+def test_no_alpha_above_one_half_predicts_more_throughput(device):
+    """Why ALPHAS stops at 0.5 (the paper's alpha is in [0, 1]): a layer's forward stage
+    carries no more of any resource than its backward stage (compute, copies, SSD), so
+    moving more than half of the step into the forward only lengthens it. Fails when the
+    time model changes so that a larger alpha could win: the grid must then grow."""
+    up_to_one = tuple(i / 20 for i in range(21))
+    seen = 0
+    for mem, ssd, adam, n in [
+        (8, 0.3e9, 0.5e9, 1), (16, 2e9, 1.9e9, 4), (32, 0.3e9, 6e9, 16), (64, 6e9, 0.5e9, 2),
+        (128, 1e9, 1.9e9, 8), (16, 0.3e9, 0.5e9, 16),
+    ]:
+        p = synthetic_profile(device=device, cpu_memory_bytes=mem * GiB, ssd_read_bytes_per_s=ssd,
+                              ssd_write_bytes_per_s=0.75 * ssd, adam_elems_per_s=adam)
+        capped, full = best_alpha(p, n, alphas=ALPHAS), best_alpha(p, n, alphas=up_to_one)
+        if isinstance(capped, Infeasible):
+            assert isinstance(full, Infeasible)
+            continue
+        seen += 1
+        assert isinstance(full, Plan) and full.alpha <= 0.5
+        assert full.predicted_tokens_per_s <= capped.predicted_tokens_per_s * (1 + 1e-9)
+    assert seen >= 4
