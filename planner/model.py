@@ -132,7 +132,7 @@ def _units(shape) -> tuple[float, float, float, float, float]:
     too, from CPU memory)."""
     p = shape.layer_params
     pb = p * shape.dtype_bytes
-    return p, pb, shape.ckpt_elems * shape.dtype_bytes, p * OPT_BYTES_PER_ELEM, pb + shape.layer_frozen_params * shape.dtype_bytes
+    return p, pb, shape.ckpt_elems * shape.ckpt_bytes, p * OPT_BYTES_PER_ELEM, pb + shape.layer_frozen_params * shape.dtype_bytes
 
 
 def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:

@@ -160,6 +160,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
         tokens_per_micro=tokens,
         dtype_bytes=DTYPE_BYTES[dtype],
+        hidden_bytes=4 if parts.hidden_fp32 is not None and DTYPE_BYTES[dtype] != 4 else None,
         vocab_size=vocab_size(parts),
     )
 

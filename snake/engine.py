@@ -103,6 +103,7 @@ class Engine:
         self.layer_P = [k.kind_params[kind] for kind in k.kinds]
         self.P = k.layer_params
         self.dtype = k.dtype
+        self.hidden_dtype = k.hidden_dtype  # checkpoints and their gradients
         self.stages = build_schedule(self.N, self.M, config.schedule)
         self.S = len(self.stages)
         self.layer_parts = _split_parts(self.layer_P, self.alpha)
@@ -149,11 +150,11 @@ class Engine:
                 "opt", torch.float32, parts_units, cpu_share=self.placement.opt, comps=3, **store_kw
             )
             self.stores["ckpt"] = TierStore(
-                "ckpt", self.dtype, ckpt_units, cpu_share=self.placement.ckpt, whole_units=True, **store_kw
+                "ckpt", self.hidden_dtype, ckpt_units, cpu_share=self.placement.ckpt, whole_units=True, **store_kw
             )
             ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad"})
             self.stores["act_grad"] = TierStore(
-                "act_grad", self.dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin,
+                "act_grad", self.hidden_dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin,
                 stop=self.stop,
             )
             if k.res_on_ssd:  # the resident optimizer state: wholly on SSD, in chunks
@@ -241,10 +242,11 @@ class Engine:
                 "put offload_dir on a local SSD, or use 'auto' or 'buffered'",
             )
         esize = torch.empty((), dtype=self.dtype).element_size()
+        hsize = torch.empty((), dtype=self.hidden_dtype).element_size()
         tiers = (
             tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)
             + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
-            + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=esize, whole_units=True)
+            + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=hsize, whole_units=True)
         )
         if self.kernels.res_on_ssd:
             tiers += tail_file_bytes(self.kernels.resident_sizes(), cpu_share=0.0, comps=3, esize=4)

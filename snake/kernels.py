@@ -87,6 +87,11 @@ class Kernels:
         CPU copy of the layers' frozen parameters (`frozen_host`)."""
         self.device = device
         self.dtype = TORCH_DTYPES[config.dtype]
+        # the hidden state between layers (checkpoints, their gradients): float32 for a model
+        # that keeps it so whatever it computes in (Mamba's `residual_in_fp32`), as plain
+        # PyTorch has it there; the first layer still gets its input in the dtype the
+        # embedding gave it (`layer_input`), exactly: float32 holds every value of it
+        self.hidden_dtype = torch.float32 if parts.hidden_fp32 is not None else self.dtype
         # float16's loss scale: static, or the dynamic one's current value (`scale`)
         self.scaler = LossScaler(config.dynamic_scale) if config.dynamic_scale is not None else None
         static = config.loss_scale
@@ -444,7 +449,13 @@ class Kernels:
         # detached: a hook can mark the embedding's output as needing gradients even under
         # no_grad (transformers' gradient_checkpointing_enable), and the copy of such a leaf
         # into the checkpoint buffers would pull them into autograd
-        return h.detach().to(self.dtype).contiguous()
+        return h.detach().to(self.hidden_dtype).contiguous()
+
+    def layer_input(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """A layer's input as plain PyTorch gives it: the first layer's in the compute dtype
+        (the embedding's output, stored wider where the hidden state is float32), the
+        others' as the layer before made it."""
+        return x.to(self.dtype) if layer == 0 else x
 
     def block_fwd(self, slot: torch.Tensor, x: torch.Tensor, t: int, layer: int, m: int) -> torch.Tensor:
         if self.parts.forward_with_grad:
@@ -453,11 +464,12 @@ class Kernels:
             # learned bias, needs a gradient); the graph is freed on return
             with torch.enable_grad(), self.rng(t, layer, m):
                 y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(
-                    x.detach().requires_grad_(True), layer)
-            return y.detach().contiguous()
+                    self.layer_input(x, layer).detach().requires_grad_(True), layer)
+            return y.detach().to(self.hidden_dtype).contiguous()
         with torch.no_grad(), self.rng(t, layer, m):
-            y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
-        return y.contiguous()
+            y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(
+                self.layer_input(x, layer), layer)
+        return y.to(self.hidden_dtype).contiguous()
 
     def head(
         self, h: torch.Tensor, targets: torch.Tensor, t: int, m: int, *, trained: int | None = None
@@ -484,7 +496,7 @@ class Kernels:
         self._accumulate_resident(grads[1:])
         gh = grads[0]
         assert gh is not None
-        return loss.detach(), gh.to(self.dtype).contiguous()
+        return loss.detach(), gh.to(self.hidden_dtype).contiguous()
 
     # -- evaluation (forward only, dropout off) ----------------------------------------
     @contextlib.contextmanager
@@ -504,8 +516,9 @@ class Kernels:
         """One layer's forward for evaluation: `slot` holds its parameters as a load put
         them there (the device mover's layout), no autograd."""
         with torch.no_grad():
-            y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(x, layer)
-        return y.contiguous()
+            y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(
+                self.layer_input(x, layer), layer)
+        return y.to(self.hidden_dtype).contiguous()
 
     def eval_head(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """The head's cross-entropy summed over this micro-batch's targets trained on (not
@@ -532,7 +545,7 @@ class Kernels:
         """Recompute the block from its input checkpoint, backprop `gy`; add (or copy) the
         fp32 parameter gradient into `acc`; return the gradient into the block's input."""
         params = self.trained(slot, layer)
-        x = x.detach().requires_grad_(True)
+        x = self.layer_input(x, layer).detach().requires_grad_(True)
         held = [i for _, i in self.layer_held[layer]]
         with torch.enable_grad(), self.rng(t, layer, m):
             y = self.bind(params, layer, self.frozen_views(slot, layer))(x, layer)
@@ -556,7 +569,7 @@ class Kernels:
                 torch.mul(g.reshape(-1).float(), 1.0 / self.scale, out=a)
         gx = grads[0]
         assert gx is not None
-        return gx.contiguous()
+        return gx.to(self.hidden_dtype).contiguous()
 
     def _no_gradient(self, t: int, layer: int, i: int) -> None:
         """Parameter `i` of `layer` got no gradient in a micro-batch of iteration `t`. Counted
@@ -618,7 +631,8 @@ class Kernels:
             h = functional_call(self.pre_mod, self._res_dict(self.outer_dev), (idx,))
             if not self.outer_dev or not h.requires_grad:  # pre trains no parameter (a frozen embedding)
                 return
-            grads = torch.autograd.grad(h.to(self.dtype), self.outer_dev, grad_outputs=gh, allow_unused=True)
+            grads = torch.autograd.grad(h.to(self.dtype), self.outer_dev, grad_outputs=gh.to(self.dtype),
+                                        allow_unused=True)
         self._accumulate_resident(grads)
 
     # -- resident optimizer step --------------------------------------------------------

@@ -85,6 +85,15 @@ class ModelShape:
     # the streamed frozen parameters live in a mapped file (a streamed model's, `frozen_in_files`):
     # pages the kernel may drop, not counted in the process's memory
     layer_frozen_in_files: bool = False
+    # bytes per element of the hidden state between layers (checkpoints and their gradients)
+    # where it is not dtype_bytes: 4 for a model that keeps it in float32 whatever it
+    # computes in (`ModelParts.hidden_fp32`)
+    hidden_bytes: int | None = None
+
+    @property
+    def ckpt_bytes(self) -> int:
+        """Bytes per element of a checkpoint (the hidden state between layers)."""
+        return self.hidden_bytes or self.dtype_bytes
 
     @property
     def largest(self) -> int:
@@ -167,12 +176,13 @@ def host_memory(
     the mapped frozen layer weights) take host memory too, so a share moved to "SSD" spares
     none."""
     n, p, c, db = shape.n_layers, shape.layer_params, shape.ckpt_elems, shape.dtype_bytes
+    hb = shape.ckpt_bytes  # the hidden state's element (checkpoints, their gradients)
     big = shape.largest  # staging buffers and gradient buffers: sized for the largest layer
     param_total = n * p * db
-    ckpt_total = n * n_micro * c * db
+    ckpt_total = n * n_micro * c * hb
     opt_total = n * p * OPT_BYTES_PER_ELEM
     param_unit = big * db
-    ckpt_unit = c * db
+    ckpt_unit = c * hb
     opt_unit = big * OPT_BYTES_PER_ELEM
     param_pool = pools.param_tails + workers  # loads + optimizer write-back
     # two pools (reads, writes), each of (a layer's units on SSD <= (1 - share) n_micro + 1)
@@ -185,7 +195,7 @@ def host_memory(
         "opt": opt_total - opt_pool * opt_unit,
     }
     tails = param_pool * param_unit + ckpt_fixed * ckpt_unit + opt_pool * opt_unit
-    act_grads = (2 * n_micro * c * db) if schedule == "vertical" else 0  # two layers' slots
+    act_grads = (2 * n_micro * c * hb) if schedule == "vertical" else 0  # two layers' slots
     if schedule == "vertical":
         # the delayed (alpha) fp32 gradients wait in the memory of the CPU-resident delayed
         # parameters (stale until the delayed step rewrites them) and in dedicated memory
@@ -248,7 +258,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
         + shape.resident_params * (db + 4)
         + shape.frozen_params * db
         + shape.fp32_params * (4 - db)
-        + (n_micro + 4) * c * db
+        + (n_micro + 4) * c * shape.ckpt_bytes
         + 16 * c * 4
         + 3 * (p + shape.resident_params) * db
         + head

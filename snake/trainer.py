@@ -85,14 +85,6 @@ class SnakeTrainer:
         self.config = config
         self.device = resolve_device(config.device)
         self.parts = describe(model)
-        if self.parts.hidden_fp32 is not None and config.dtype != "float32":
-            raise ConfigError(
-                "dtype", config.dtype,
-                f"cannot train this model: it keeps its hidden state between layers in float32 "
-                f"({self.parts.hidden_fp32} = True), which snake would store in {config.dtype} and so "
-                "round at every layer, unlike plain PyTorch",
-                f"use dtype='float32', or set {self.parts.hidden_fp32} = False",
-            )
         decay_flags(self.parts, config.optimizer)  # a no_decay that fails: a ConfigError now
         self.source = DataSource(data)
         # last: it creates the directory, which a bad model or data should not leave behind

@@ -163,7 +163,7 @@ class HostToDevice(Actor):
             return
 
         def load() -> torch.Tensor:
-            dev = self.copier.empty(e.ckpt_shape, e.dtype)
+            dev = self.copier.empty(e.ckpt_shape, store.dtype)
             flat = dev.view(-1)
             pairs = [(flat[: u.k], store.head(u)[0])]
             if tail is not None:
