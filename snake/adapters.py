@@ -44,7 +44,7 @@ class ModelParts:
     own forward (a call counter) is not kept per layer, and the backward runs each layer's
     forward again (as PyTorch's checkpointing does). Parameters outside the blocks are
     resident; tied weights must be there. hidden_fp32: what keeps the hidden state between
-    layers in float32 (a config field, for messages), or None. forward_with_grad: run the
+    layers in float32 (a config field's name), or None: snake then stores it in float32. forward_with_grad: run the
     forward with autograd on (see the field). weights: where the blocks' parameters on the
     meta device are read from (see the field)."""
 
@@ -55,8 +55,8 @@ class ModelParts:
     post: PostFn
     block_fn: BlockFn = _call_block
     # set where the model keeps the hidden state between its layers in float32 whatever it
-    # computes in (Mamba's `residual_in_fp32`): snake stores that state in the compute dtype,
-    # so the trainer refuses a lower one for such a model rather than round it at every layer
+    # computes in (Mamba's `residual_in_fp32`): snake then stores that state (checkpoints,
+    # their gradients) in float32 too (`Kernels.hidden_dtype`), not in the compute dtype
     hidden_fp32: str | None = None
     # run each layer's forward with autograd on, as its backward's recompute runs it, for
     # layers whose kernels choose their algorithm by requires_grad (an attention mask computed

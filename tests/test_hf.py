@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -367,11 +368,11 @@ async def train_snake(
         return await trainer.state_dict()
 
 
-def bf16_copy(kind: str, **kw) -> nn.Module:
-    """The test model of `kind` built in bfloat16 as transformers builds it (what it keeps in
-    float32 stays so), with the float32 model's weights."""
+def bf16_copy(kind: str, *, dtype: torch.dtype = torch.bfloat16, **kw) -> nn.Module:
+    """The test model of `kind` built in bfloat16 (or `dtype`) as transformers builds it
+    (what it keeps in float32 stays so), with the float32 model's weights."""
     fp32 = make(kind, **kw)
-    model = type(fp32)._from_config(fp32.config, dtype=torch.bfloat16,
+    model = type(fp32)._from_config(fp32.config, dtype=dtype,
                                     attn_implementation=fp32.config._attn_implementation)
     model.load_state_dict(fp32.state_dict())
     return model
@@ -927,6 +928,29 @@ async def test_bf16_mamba_follows_plain_mixed_precision(tmp_path, kind, residual
     assert shape.ckpt_bytes == hidden.itemsize and shape.dtype_bytes == 2
     mem = host_memory(shape, n_micro=2, alpha=0.0, schedule="vertical", workers=2)
     assert mem.per_share["ckpt"] == shape.n_layers * 2 * shape.ckpt_elems * hidden.itemsize - 2 * 2 * shape.ckpt_elems * hidden.itemsize
+
+
+@pytest.mark.asyncio
+async def test_fp16_mamba_with_a_dynamic_loss_scale_follows_grad_scaler(tmp_path):
+    """The same in float16 with a dynamic loss scale (at alpha 1) against plain PyTorch with
+    torch.amp.GradScaler: its float32 hidden state takes the scaled gradients between
+    layers, and the masters, scales and skipped steps are GradScaler's."""
+    from snake import DynamicLossScale
+    from tests.helpers import mixed_reference
+
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    model = bf16_copy("mamba", dtype=torch.float16, tie_word_embeddings=False)
+    scale = DynamicLossScale(init_scale=2.0**16, growth_interval=1)
+    scales: list[tuple[float, bool]] = []
+    want = mixed_reference(model, data, 2, fused=True, scales=scales, scaler=torch.amp.GradScaler(
+        "cpu", init_scale=scale.init_scale, growth_interval=scale.growth_interval))
+    cfg = dataclasses.replace(snake_config(tmp_path, dtype="float16"), alpha=1.0, loss_scale=scale)
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        report = await asyncio.wait_for(trainer.run(3), timeout=120)
+        assert trainer.engine.stores["ckpt"].dtype == torch.float32
+        got = await trainer.state_dict()
+    assert [(s.loss_scale, s.skipped) for s in report.steps] == scales
+    assert_mixed_precision(got, want)
 
 
 @pytest.mark.asyncio
