@@ -2,13 +2,22 @@
 
 from snake.adapters import ModelParts
 from snake.config import AdamW, DynamicLossScale, Placement, SnakeConfig, tiny_cpu
-from snake.errors import ActorFailed, ConfigError, DataError, ModelError, SnakeError, StorageError
+from snake.errors import (
+    ActorFailed,
+    ConfigError,
+    DataError,
+    GradientOverflow,
+    ModelError,
+    SnakeError,
+    StorageError,
+)
 from snake.evaluate import EvalReport
 from snake.trainer import RunReport, SnakeTrainer
 
 __all__ = [
     "AdamW",
     "ActorFailed",
+    "GradientOverflow",
     "ConfigError",
     "DataError",
     "DynamicLossScale",

@@ -186,8 +186,9 @@ class SnakeConfig:
     device_link_bytes_per_s: cap on host<->device transfers, each direction its own token
         bucket (a full-duplex PCIe link), for experiments: on a CPU device it charges the
         bytes a GPU would move, also where the CPU run moves none (a view of host memory).
-    loss_scale: float16's loss scale: a number, static (ignored with other dtypes; an
-        overflow then goes into the weights, as in plain PyTorch with a fixed scale), or a
+    loss_scale: float16's loss scale: a number, static (ignored with other dtypes; a step
+        whose gradient overflowed fails the run with GradientOverflow before it is taken,
+        where plain PyTorch with a fixed scale puts inf or nan into the weights), or a
         DynamicLossScale (float16 only, alpha 1), which skips the steps of iterations whose
         gradients overflow and adjusts the scale as torch.amp.GradScaler does.
     optimizer_workers: CPU optimizer threads (one actor each).

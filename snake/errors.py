@@ -47,6 +47,22 @@ class StallError(SnakeError, TimeoutError):
     answer, a deadlock). The message says what each actor was doing."""
 
 
+class GradientOverflow(SnakeError, FloatingPointError):
+    """float16 with a static loss scale: a gradient came out inf or nan (the scaled backward
+    overflowed float16), found before the step that would have put it into the weights. The
+    message names the layer and iteration and the fix: a dynamic loss scale, which skips
+    such steps, or a smaller static one. Reaches the caller as an ActorFailed's cause."""
+
+    def __init__(self, where: str, t: int, scale: float) -> None:
+        super().__init__(
+            f"the gradient of {where} in iteration {t} is not finite: float16 overflowed at the static "
+            f"loss_scale={scale:.10g}, and its optimizer step would put inf or nan into the weights; it was "
+            "not applied. Use loss_scale=snake.DynamicLossScale() (with alpha=1.0: it skips such steps and "
+            "lowers the scale, as torch.amp.GradScaler does) or a smaller static loss_scale, and resume "
+            "from your last checkpoint"
+        )
+
+
 class ActorFailed(SnakeError, RuntimeError):
     """An actor of the runtime raised. `__cause__` holds the original exception.
 

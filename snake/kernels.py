@@ -15,6 +15,7 @@ import contextlib
 import copy
 import errno
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +46,7 @@ from snake.clip import scale
 from snake.config import DynamicLossScale, SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
-from snake.errors import Stopped, StorageError
+from snake.errors import GradientOverflow, Stopped, StorageError
 from snake.memory import resident_chunk
 from snake.optim import adamw_step, decay_flags
 from snake.scaler import LossScaler
@@ -96,6 +97,9 @@ class Kernels:
         self.scaler = LossScaler(config.dynamic_scale) if config.dynamic_scale is not None else None
         static = config.loss_scale
         self._static_scale = float(static) if config.dtype == "float16" and not isinstance(static, DynamicLossScale) else 1.0
+        # float16 at a static scale: every step first checks that its gradient is finite
+        # (`check_finite`), where plain PyTorch would put an overflow into the weights
+        self.checks_overflow = config.dtype == "float16" and not isinstance(static, DynamicLossScale)
         self.seed = config.seed
         self.n_micro = n_micro
         self.generators: list[torch.Generator] = [torch.default_generator]
@@ -433,6 +437,17 @@ class Kernels:
         """pre/post's trained parameters on the device."""
         return self.res_dev[: self.n_outer]
 
+    def check_finite(self, grads: Sequence[torch.Tensor], where: str, t: int) -> None:
+        """Blocking, with `checks_overflow`: raise GradientOverflow unless every element of
+        `grads` (fp32 gradients about to be stepped) is finite. One sum per tensor: a sum
+        of finite fp32 gradients of float16 values cannot overflow, and an inf or nan in
+        any element makes it inf or nan."""
+        if not self.checks_overflow or not grads:
+            return
+        total = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
+        if not math.isfinite(float(total)):
+            raise GradientOverflow(where, t, self._static_scale)
+
     def _accumulate_resident(self, grads: Sequence[torch.Tensor | None], at: Sequence[int] | None = None) -> None:
         """Add resident gradients (pre/post's in order, or those of the resident indices
         `at`: a block's parameters kept in float32) into their fp32 accumulators."""
@@ -647,6 +662,8 @@ class Kernels:
         scales them first, and whether the iteration's steps are skipped (`GradClip.finish`):
         then no parameter is stepped. Returns the SSD bytes read and written."""
         skip = False
+        self.check_finite([g for g, got in zip(self.res_grad, self.res_got, strict=True) if got],
+                          "the resident parameters (embeddings, head)", step - 1)
         if clip is not None:
             coef, skip = clip([torch.linalg.vector_norm(g) for g in self.res_grad])
             if not skip:

@@ -59,20 +59,60 @@ async def test_matches_grad_scaler_and_skips_the_same_steps(tmp_path, schedule, 
 
 
 @pytest.mark.asyncio
-async def test_skipping_changes_the_weights_as_torch_does(tmp_path):
-    """The check above can fail: with the overflowed steps taken (a static scale; their
-    gradients are not finite) the weights are not finite; with GradScaler's weights they are."""
+@pytest.mark.parametrize("alpha,placement", [(0.0, Placement(param=1.0, ckpt=1.0, opt=1.0)), (0.5, MIXED), (1.0, MIXED)])
+async def test_a_static_scale_that_overflows_fails_the_run_before_any_step(tmp_path, monkeypatch, alpha, placement):
+    """At a static scale an overflowed gradient would go into the weights as inf or nan
+    (plain PyTorch with a fixed scale takes that step). snake checks each step's gradient
+    first and fails the run naming the fix: at alpha 0 a layer's step during the backward
+    finds it, at alpha 1 the resident step at the iteration's end or, where the embedding's
+    and head's gradients came out finite, the next iteration's delayed step of a layer; the
+    message names the iteration the gradient is of. AdamW never saw a
+    gradient that is not finite (a spy on its calls)."""
+    import snake.actors.optimizer
+    import snake.kernels
+    from snake import ActorFailed, GradientOverflow
+
+    stepped: list[bool] = []  # per AdamW call: were all its gradients finite
+
+    def spy(real):
+        def step(params, grads, *a, **k):
+            stepped.append(all(bool(g.isfinite().all()) for g in grads))
+            return real(params, grads, *a, **k)
+        return step
+
+    for module in (snake.actors.optimizer, snake.kernels):
+        monkeypatch.setattr(module, "adamw_step", spy(module.adamw_step))
+    model = fp16_gpt()
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=placement, alpha=alpha, device="cpu",
+                      dtype="float16", loss_scale=OVERFLOWS.init_scale)
+    trainer = SnakeTrainer(model, data=batches(3, 4), config=cfg)
+    try:
+        with pytest.raises(ActorFailed) as err:
+            await asyncio.wait_for(trainer.run(3), timeout=120)
+        cause = err.value.__cause__
+        assert isinstance(cause, GradientOverflow)
+        assert "loss_scale=4194304" in str(cause) and "DynamicLossScale()" in str(cause) and "iteration 0" in str(cause)
+        assert all(stepped)
+    finally:
+        await trainer.close()
+
+
+@pytest.mark.asyncio
+async def test_skipping_changes_the_weights_as_torch_does(tmp_path, monkeypatch):
+    """The checks above can fail: with the overflowed steps taken (a static scale, its
+    overflow check turned off here) the weights are not finite; with GradScaler's skips
+    they are the model's own, bitwise."""
+    from snake.kernels import Kernels
+
     model = fp16_gpt()
     data = batches(3, 4)
     kw = dict(micro_batches=2, placement=MIXED, alpha=1.0, dtype="float16")
-    static, _, _ = await train(model, data, 3, offload_dir=tmp_path / "a", loss_scale=OVERFLOWS.init_scale, **kw)
-    assert not all(bool(v.isfinite().all()) for v in static.values())
     dynamic, report, _ = await train(model, data, 3, offload_dir=tmp_path / "b", loss_scale=OVERFLOWS, **kw)
     assert [s.skipped for s in report.steps] == [True, True, True]
-    # every step skipped: the weights as the model had them, bitwise
     assert all(torch.equal(dynamic[k], v.float()) for k, v in model.state_dict().items())
-
-
+    monkeypatch.setattr(Kernels, "check_finite", lambda *a, **k: None)
+    static, _, _ = await train(model, data, 3, offload_dir=tmp_path / "a", loss_scale=OVERFLOWS.init_scale, **kw)
+    assert not all(bool(v.isfinite().all()) for v in static.values())
 @pytest.mark.asyncio
 async def test_a_checkpoint_carries_the_scale_and_resumes_bitwise(tmp_path):
     model = fp16_gpt()
