@@ -301,12 +301,18 @@ class DeviceToHost(Actor):
             await dest.put(GradsOnHost(msg.t, msg.layer, None))
 
     async def _norms(self, t: int, layer: int, flat: torch.Tensor) -> None:
-        """With clipping: the norms of a layer's complete gradient (in host memory), before
-        anything can wait on the optimizer that takes it."""
+        """A layer's complete gradient (in host memory), before the optimizer that takes it
+        has it: float16 at a static loss scale checks that it is finite (GradientOverflow
+        otherwise: the run fails before any step of it, `Kernels.check_finite`); with
+        clipping or a dynamic scale, its norms. On the copy thread, which on a GPU mostly
+        waits for its copies, not on the optimizer's."""
         e = self.e
+        k = e.kernels
+        if k.checks_overflow:
+            await self.work(e.executors["copy"], f"grad check L{layer}", k.check_finite,
+                            [flat[: e.layer_P[layer]]], f"layer {layer}", t)
         if e.clip is None:
             return
-        k = e.kernels
         norms = await self.work(e.executors["copy"], f"grad norm L{layer}", layer_norms, flat,
                                 k.kind_numels[k.kinds[layer]])
         e.clip.add_layer(t, layer, norms)

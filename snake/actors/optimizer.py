@@ -179,10 +179,7 @@ def step_unit(
     norm clipping, which scales the gradient (in place) first. `skip`: an iteration whose
     steps a dynamic loss scale skips (an overflow): no AdamW, the state as it was, and the
     compute-dtype parameters written from the masters all the same (vertical keeps the
-    delayed gradient in their memory). float16 at a static loss scale: a gradient that is
-    not finite raises GradientOverflow first (`Kernels.check_finite`); nothing is written."""
-    if not skip:  # the gradient of iteration step - 1 (a step's count is its iteration + 1)
-        e.kernels.check_finite(grads if isinstance(grads, list) else [grads], f"layer {layer}", step - 1)
+    delayed gradient in their memory)."""
     ostore, pstore = e.stores["opt"], e.stores["param"]
     pieces = [ostore.head(ou)]
     if otail is not None:
