@@ -168,6 +168,27 @@ async def test_dynamic_loss_scale_on_cuda_skips_the_steps_grad_scaler_skips(tmp_
 
 @pytest.mark.cuda
 @pytest.mark.asyncio
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+async def test_a_static_scale_that_overflows_fails_on_cuda_before_any_step(tmp_path, alpha):
+    """float16 at a static scale on the GPU (tests/test_loss_scale.py on a CPU): the gradient
+    that overflowed is found on its host copy, and the run fails naming the fix."""
+    from snake import ActorFailed, GradientOverflow
+    from tests.test_loss_scale import OVERFLOWS, fp16_gpt
+
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=PLACEMENTS["mixed"][0], alpha=alpha,
+                      dtype="float16", device="cuda", loss_scale=OVERFLOWS.init_scale)
+    trainer = SnakeTrainer(fp16_gpt(), data=batches(3, 4), config=cfg)
+    try:
+        with pytest.raises(ActorFailed) as err:
+            await trainer.run(3)
+        assert isinstance(err.value.__cause__, GradientOverflow)
+        assert "DynamicLossScale()" in str(err.value.__cause__)
+    finally:
+        await trainer.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
 @pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
 async def test_queued_jobs_on_cuda_match_pytorch_and_trace_gpu_time(tmp_path, schedule):
     """The compute thread queues jobs without waiting for the GPU (snake.actors.compute): with
