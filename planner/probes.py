@@ -144,7 +144,8 @@ def _kind_seconds(
         turn[0] = (turn[0] + 1) % len(blocks)
         return blocks[turn[0]], cycle[turn[0]]
 
-    x = torch.randn(mb, seq, hidden, device=device, dtype=dtype)
+    # the hidden state as the runtime stores it (float32 for a model that keeps it so)
+    x = torch.randn(mb, seq, hidden, device=device, dtype=torch.float32 if parts.hidden_fp32 is not None else dtype)
     xr = x.clone().requires_grad_(True)
     grad_out = torch.randn_like(x)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -928,6 +929,20 @@ async def test_bf16_mamba_follows_plain_mixed_precision(tmp_path, kind, residual
     assert shape.ckpt_bytes == hidden.itemsize and shape.dtype_bytes == 2
     mem = host_memory(shape, n_micro=2, alpha=0.0, schedule="vertical", workers=2)
     assert mem.per_share["ckpt"] == shape.n_layers * 2 * shape.ckpt_elems * hidden.itemsize - 2 * 2 * shape.ckpt_elems * hidden.itemsize
+
+
+@pytest.mark.asyncio
+async def test_bf16_mamba_is_planned_with_its_float32_hidden_state(tmp_path):
+    """A bf16 Mamba left to the planner (refused before this round): the probes time its
+    layers on float32 inputs, as the runtime feeds them, and the planned run trains with
+    float32 checkpoints."""
+    model = bf16_copy("mamba", tie_word_embeddings=False)
+    cfg = SnakeConfig(micro_batches=None, placement=None, alpha=None, offload_dir=tmp_path / "off", device="cpu",
+                      dtype="bfloat16", cpu_memory_bytes=8 << 30)
+    async with SnakeTrainer(model, data=batches(3, 4, seq=16, vocab=VOCAB), config=cfg) as trainer:
+        report = await asyncio.wait_for(trainer.run(2), timeout=120)
+        assert trainer.engine.stores["ckpt"].dtype == torch.float32
+    assert all(math.isfinite(s.loss) for s in report.steps) and report.steps[1].loss < report.steps[0].loss
 
 
 @pytest.mark.asyncio
