@@ -44,9 +44,9 @@ class ModelParts:
     own forward (a call counter) is not kept per layer, and the backward runs each layer's
     forward again (as PyTorch's checkpointing does). Parameters outside the blocks are
     resident; tied weights must be there. hidden_fp32: what keeps the hidden state between
-    layers in float32 (a config field's name), or None: snake then stores it in float32. forward_with_grad: run the
-    forward with autograd on (see the field). weights: where the blocks' parameters on the
-    meta device are read from (see the field)."""
+    layers in float32 (a config field's name), or None: snake then stores it in float32.
+    forward_with_grad: run the forward with autograd on (see the field). weights: where the
+    blocks' parameters on the meta device are read from (see the field)."""
 
     model: nn.Module
     blocks: Sequence[nn.Module]

@@ -57,10 +57,9 @@ class GradientOverflow(SnakeError, FloatingPointError):
         super().__init__(
             f"the gradient of {where} in iteration {t} is not finite: float16 overflowed at the static "
             f"loss_scale={scale:.10g}, and its optimizer step would put inf or nan into the weights; it was "
-            "not applied. Use loss_scale=snake.DynamicLossScale() (snake train: --loss-scale dynamic; with "
-            "alpha=1.0: it skips such steps and "
-            "lowers the scale, as torch.amp.GradScaler does) or a smaller static loss_scale, and resume "
-            "from your last checkpoint"
+            "not applied. Use loss_scale=snake.DynamicLossScale() (snake train: --loss-scale dynamic; "
+            "with alpha=1.0: it skips such steps and lowers the scale, as torch.amp.GradScaler does) or a "
+            "smaller static loss_scale, and resume from your last checkpoint"
         )
 
 

@@ -97,7 +97,7 @@ class Kernels:
         self.scaler = LossScaler(config.dynamic_scale) if config.dynamic_scale is not None else None
         static = config.loss_scale
         self._static_scale = float(static) if config.dtype == "float16" and not isinstance(static, DynamicLossScale) else 1.0
-        # float16 at a static scale: every step first checks that its gradient is finite
+        # float16 at a static scale: every gradient is checked before its step can take it
         # (`check_finite`), where plain PyTorch would put an overflow into the weights
         self.checks_overflow = config.dtype == "float16" and not isinstance(static, DynamicLossScale)
         self.seed = config.seed
