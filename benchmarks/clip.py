@@ -8,11 +8,16 @@ delaying every step costs, which clipping needs. With `--dtype float16` every tr
 computes in float16 (a static loss scale of 1024) and a fourth one is added:
   - `dynamic`: alpha = 1 and a dynamic loss scale (`DynamicLossScale(init_scale=1024)`: no
     step overflows here, so every step is taken, as in the others);
-`dynamic / alpha1` is what the dynamic scale's norms and the wait for them cost.
+`dynamic / alpha1` is what the dynamic scale's norms and the wait for them cost. With
+`--grad-share G` a trainer is added:
+  - `clip_ssd`: as `clip`, with `placement.grad = G`: the gradients that wait for the next
+    iteration beyond what the stale parameters hold (and the share G) go to SSD and back;
+`clip_ssd / clip` is what moving them costs, with its grad bytes per iteration.
 
     python benchmarks/clip.py [--layers 8] [--width 512] [--seq 128] [--micro-batches 4]
                               [--micro-batch-size 2] [--placement 0.5,0.5,0.5] [--rounds 6]
-                              [--steps 2] [--dtype float16]   # ~3 min on 2 cores (float32)
+                              [--steps 2] [--dtype float16] [--grad-share 0]
+                              # ~3 min on 2 cores (float32)
 
 CPU device unless CUDA is present. Each trainer takes one warm-up step, then per round each
 runs `--steps` steps, in an order that rotates. Reports medians over rounds of seconds per
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 
 from common import (  # type: ignore[import-not-found]
@@ -51,6 +57,12 @@ def _placement(text: str) -> Placement:
     return Placement(param=param, ckpt=ckpt, opt=opt)
 
 
+def _placement_of(args: argparse.Namespace, name: str) -> Placement:
+    if name == "clip_ssd":
+        return dataclasses.replace(args.placement, grad=args.grad_share)
+    return args.placement
+
+
 async def measure(args: argparse.Namespace, device: str) -> dict:
     cfg = gpt_config(args.layers, args.width, args.seq)
     rows = args.micro_batches * args.micro_batch_size
@@ -58,12 +70,16 @@ async def measure(args: argparse.Namespace, device: str) -> dict:
     ways = dict(WAYS)
     if args.dtype == "float16":
         ways["dynamic"] = dict(alpha=1.0, optimizer=AdamW(lr=1e-4), loss_scale=DynamicLossScale(init_scale=1024.0))
+    if args.grad_share is not None:
+        ways["clip_ssd"] = WAYS["clip"]
     trainers = {}
     for name, kw in ways.items():
         config = SnakeConfig(micro_batches=args.micro_batches, offload_dir=SCRATCH / f"clip-{name}",
-                             placement=args.placement, device=device, dtype=args.dtype, **kw)  # type: ignore[arg-type]
+                             placement=_placement_of(args, name), device=device, dtype=args.dtype,
+                             **kw)  # type: ignore[arg-type]
         trainers[name] = SnakeTrainer(on_worker(make_model, cfg), data=data, config=config)
     times: dict[str, list[float]] = {name: [] for name in ways}
+    grad_bytes: dict[str, dict[str, int]] = {}
     norms: list[float] = []
     skipped = 0
     try:
@@ -77,6 +93,9 @@ async def measure(args: argparse.Namespace, device: str) -> dict:
                 if name == "clip":
                     norms += [s.grad_norm for s in report.steps]
                 skipped += sum(s.skipped for s in report.steps)
+                traffic = trainers[name].traffic()
+                grad_bytes[name] = {"cpu->ssd": traffic.get(("cpu", "ssd", "grad"), 0),
+                                    "ssd->cpu": traffic.get(("ssd", "cpu", "grad"), 0)}
             print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in ways), flush=True)
     finally:
         for t in trainers.values():
@@ -90,6 +109,9 @@ async def measure(args: argparse.Namespace, device: str) -> dict:
     }
     if "dynamic" in med:
         out["dynamic_over_alpha1"] = med["dynamic"] / med["alpha1"]
+    if "clip_ssd" in med:
+        out["clip_ssd_over_clip"] = med["clip_ssd"] / med["clip"]
+        out["grad_bytes_per_iteration"] = grad_bytes
     return out
 
 
@@ -104,6 +126,8 @@ def main() -> None:
                     help="param,ckpt,opt CPU shares")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                     help="compute dtype; float16 adds the dynamic loss scale's trainer")
+    ap.add_argument("--grad-share", type=float, default=None,
+                    help="add clip_ssd: clipping with this placement.grad (the waiting gradients' CPU share)")
     ap.add_argument("--name", default="clip", help="results/<name>.json")
     args = ap.parse_args()
     device = checked_device(args, ("micro_batches", "micro_batch_size", "rounds", "steps"))

@@ -235,7 +235,7 @@ def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) ->
         "schedule": plan.schedule,
         "micro_batches": plan.n_micro,
         "alpha": plan.alpha,
-        "placement": {"param": pl.param, "ckpt": pl.ckpt, "opt": pl.opt},
+        "placement": {"param": pl.param, "ckpt": pl.ckpt, "opt": pl.opt, "grad": pl.grad},
         "resident_optimizer": plan.resident_optimizer,
         "predicted_iteration_seconds": plan.predicted_iteration_seconds,
         "predicted_tokens_per_s": plan.predicted_tokens_per_s,
@@ -259,7 +259,8 @@ def format_table(d: dict) -> str:
         ("schedule", d["schedule"]),
         ("micro-batches", str(d["micro_batches"])),
         ("alpha (delayed step)", f"{d['alpha']:.2f}"),
-        ("CPU share", f"param {p['param']:.1%}  ckpt {p['ckpt']:.1%}  opt {p['opt']:.1%}"),
+        ("CPU share", f"param {p['param']:.1%}  ckpt {p['ckpt']:.1%}  opt {p['opt']:.1%}"
+         + (f"  grad {p['grad']:.1%}" if d["alpha"] > 0 and d["schedule"] == "vertical" else "")),
         ("resident optimizer", f"{d['resident_optimizer']} (embeddings' and head's state)"),
         ("iteration", f"{d['predicted_iteration_seconds']:.4g} s"),
         ("throughput", f"{d['predicted_tokens_per_s']:.4g} tokens/s"),

@@ -6,7 +6,7 @@ lasts as long as its slowest resource (compute, CPU Adam, host->device, device->
 all assumed to overlap (GreedySnake 4.5), except on a CPU device, where the first four
 share the cores and add up, together with the CPU the runtime's threads spend per SSD
 operation (HOST_SECONDS_PER_SSD_OP). Each resource gives a lower bound on the phase time
-that is linear in the CPU shares x = (param, ckpt, opt):
+that is linear in the CPU shares x = (param, ckpt, opt, grad):
 
     t_phase >= seconds + sum_k per_share[k] * x_k
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from snake.memory import OPT_BYTES_PER_ELEM
 
-KINDS = ("param", "ckpt", "opt")
+KINDS = ("param", "ckpt", "opt", "grad")  # grad: the delayed gradients (vertical, alpha > 0)
 GRAD_BYTES_PER_ELEM = 4  # fp32 gradients
 # What one SSD read or write costs the kernels on a CPU device: snake's threads (event
 # loop, I/O, copies) spend ~660 us of CPU on it, which on this 2-core machine is ~330 us of
@@ -43,9 +43,9 @@ class Bound:
 
     name: str
     seconds: float
-    per_share: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    per_share: tuple[float, ...] = (0.0,) * len(KINDS)
 
-    def at(self, x: tuple[float, float, float]) -> float:
+    def at(self, x: tuple[float, ...]) -> float:
         return self.seconds + sum(a * xi for a, xi in zip(self.per_share, x, strict=True))
 
 
@@ -55,15 +55,16 @@ class Traffic:
     would move if that kind lived entirely on SSD (scaled by 1 - x_k). ssd_ops: how many
     SSD reads and writes of each kind that takes (a unit is one operation each way: a
     layer's checkpoints are n small ones, its optimizer states one large one, two with a
-    delayed share; checked against a traced run in tests/test_planned.py)."""
+    delayed share; the delayed gradients one unit per layer; checked against a traced run in
+    tests/test_planned.py)."""
 
     compute_seconds: float
     adam_elems: float
     h2d_bytes: float
     d2h_bytes: float
-    ssd_read: tuple[float, float, float]
-    ssd_write: tuple[float, float, float]
-    ssd_ops: tuple[float, float, float]
+    ssd_read: tuple[float, ...]
+    ssd_write: tuple[float, ...]
+    ssd_ops: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +76,17 @@ class Phase:
     traffic: Traffic
     bounds: tuple[Bound, ...]
 
-    def ssd_bytes_at(self, x: tuple[float, float, float]) -> float:
+    def ssd_bytes_at(self, x: tuple[float, ...]) -> float:
         t = self.traffic
         return sum(
             (rb + wb) * (1 - xi) for rb, wb, xi in zip(t.ssd_read, t.ssd_write, x, strict=True)
         )
 
-    def seconds_at(self, x: tuple[float, float, float]) -> float:
+    def seconds_at(self, x: tuple[float, ...]) -> float:
         return max(b.at(x) for b in self.bounds)
 
 
-def ssd_seconds_per_kind(profile, t: Traffic) -> tuple[float, float, float]:
+def ssd_seconds_per_kind(profile, t: Traffic) -> tuple[float, ...]:
     """Seconds of SSD traffic per kind when that kind lives entirely on SSD."""
     r, w = profile.ssd_read_bytes_per_s, profile.ssd_write_bytes_per_s
     return tuple(rb / r + wb / w for rb, wb in zip(t.ssd_read, t.ssd_write, strict=True))
@@ -108,7 +109,7 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
         t.d2h_bytes / profile.d2h_bytes_per_s,
     )
     ops = tuple(HOST_SECONDS_PER_SSD_OP * o for o in t.ssd_ops)
-    shared = ((Bound(f"host_{name}", sum(cpu_work) + sum(ops), (-ops[0], -ops[1], -ops[2])),)
+    shared = ((Bound(f"host_{name}", sum(cpu_work) + sum(ops), tuple(-o for o in ops)),)
               if profile.device == "cpu" else ())
     link = profile.device_link_bytes_per_s or float("inf")  # a capped link: its time, not CPU work
     return Phase(
@@ -120,7 +121,7 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
             Bound(f"adam_{name}", cpu_work[1]),
             Bound(f"h2d_{name}", t.h2d_bytes / min(profile.h2d_bytes_per_s, link)),
             Bound(f"d2h_{name}", t.d2h_bytes / min(profile.d2h_bytes_per_s, link)),
-            Bound(f"ssd_{name}", sum(ssd), (-ssd[0], -ssd[1], -ssd[2])),
+            Bound(f"ssd_{name}", sum(ssd), tuple(-v for v in ssd)),
             *shared,
         ),
     )
@@ -141,32 +142,34 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     Forward: params in; n-1 checkpoints in (the snake order carries one on the device) and
     n out; the SSD share of the output checkpoints written (the next stage gets its inputs
     from the CPU copies of those writes, never read back from SSD); the
-    delayed alpha share of the optimizer step (opt read + written, param tail written).
-    Backward: params, n checkpoints and n-1 inter-layer gradients in; n-1 gradients and the
-    fp32 layer gradient (once) out; the (1 - alpha) share of the optimizer step."""
+    delayed alpha share of the optimizer step (opt read + written, param tail written, its
+    gradient's SSD share read). Backward: params, n checkpoints and n-1 inter-layer gradients
+    in; n-1 gradients and the fp32 layer gradient (once) out; the (1 - alpha) share of the
+    optimizer step; the SSD share of the delayed alpha gradient written."""
     p, pb, cb, ob, lb = _units(profile.shape)
     a = alpha
     # SSD operations: with a delayed share (0 < alpha < 1) params and optimizer states are
     # two units per layer (the step's now and delayed parts), each loaded and written on its
     # own; alpha = 1 leaves only the delayed one
     split = 1 + (0 < a < 1)
+    gb = a * GRAD_BYTES_PER_ELEM * p  # the delayed gradient: written after the backward, read for its step
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
         h2d_bytes=lb + (n - 1) * cb,
         d2h_bytes=n * cb,
-        ssd_read=(pb, 0.0, a * ob),
-        ssd_write=(a * pb, n * cb, a * ob),
-        ssd_ops=(split + (a > 0), n, 2 * (a > 0)),
+        ssd_read=(pb, 0.0, a * ob, gb),
+        ssd_write=(a * pb, n * cb, a * ob, 0.0),
+        ssd_ops=(split + (a > 0), n, 2 * (a > 0), float(a > 0)),
     )
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
         adam_elems=(1 - a) * p,
         h2d_bytes=lb + n * cb + (n - 1) * cb,
         d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
-        ssd_read=(pb, n * cb, (1 - a) * ob),
-        ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob),
-        ssd_ops=(split + (a < 1), n, 2 * (a < 1)),
+        ssd_read=(pb, n * cb, (1 - a) * ob, 0.0),
+        ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob, gb),
+        ssd_ops=(split + (a < 1), n, 2 * (a < 1), float(a > 0)),
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 
@@ -184,15 +187,15 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
 
     split = 1 + (0 < a < 1)  # units per layer of params and optimizer states (vertical_phases)
 
-    def fwd(first: bool) -> Traffic:
+    def fwd(first: bool) -> Traffic:  # the delayed gradients wait in the accumulators: no grad traffic
         s = a if first else 0.0
-        ops = (split + (s > 0), 1, 2 * (s > 0))
-        return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob), (s * pb, cb, s * ob), ops)
+        ops = (split + (s > 0), 1, 2 * (s > 0), 0)
+        return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob, 0.0), (s * pb, cb, s * ob, 0.0), ops)
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
-        ops = (split + (s > 0), 1, 2 * (s > 0))
-        return Traffic(rb, s * p, lb + cb, grads, (pb, cb, s * ob), (s * pb, 0.0, s * ob), ops)
+        ops = (split + (s > 0), 1, 2 * (s > 0), 0)
+        return Traffic(rb, s * p, lb + cb, grads, (pb, cb, s * ob, 0.0), (s * pb, 0.0, s * ob, 0.0), ops)
 
     phases = (
         phase(profile, "fwd_first", 1, fwd(True)),
@@ -211,11 +214,20 @@ def phases_for(profile, n: int, alpha: float, schedule: str) -> tuple[Phase, ...
     raise ValueError(f"schedule={schedule!r} must be 'vertical' or 'horizontal'")
 
 
-def layer_seconds(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:
+def shares(placement, shape, alpha: float, schedule: str) -> tuple[float, float, float, float]:
+    """A placement's shares x in KINDS order, the grad share as the runtime keeps it: at
+    least what the CPU-resident delayed parameters' memory holds (`LinearMemory.shares`)."""
+    if not (schedule == "vertical" and alpha > 0):  # no gradient waits outside an accumulator
+        return (placement.param, placement.ckpt, placement.opt, 1.0)
+    room = shape.dtype_bytes / 4
+    return (placement.param, placement.ckpt, placement.opt, max(placement.grad, min(1.0, room * placement.param)))
+
+
+def layer_seconds(phases: tuple[Phase, ...], x: tuple[float, ...]) -> float:
     """Seconds per layer and iteration at CPU shares x."""
     return sum(ph.count * ph.seconds_at(x) for ph in phases)
 
 
-def ssd_bytes(phases: tuple[Phase, ...], x: tuple[float, float, float]) -> float:
+def ssd_bytes(phases: tuple[Phase, ...], x: tuple[float, ...]) -> float:
     """SSD bytes (read + written) per layer and iteration at CPU shares x."""
     return sum(ph.count * ph.ssd_bytes_at(x) for ph in phases)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from planner.model import KINDS, Phase, layer_seconds, phases_for, ssd_bytes
+from planner.model import KINDS, Phase, layer_seconds, phases_for, shares, ssd_bytes
 from planner.profile import MachineProfile
 from snake.config import Placement
 from snake.memory import (
@@ -133,11 +133,12 @@ def memory_check(
             fix="fewer micro-batches or a smaller micro-batch",
         )
     if placement is None:
-        need = mem.fixed_bytes + sum(min(0.0, c) for c in mem.per_share.values())
+        need = mem.smallest()
         what, fix = "for buffers", "fewer micro-batches, a smaller micro-batch"
     else:
-        need = mem.at(placement.param, placement.ckpt, placement.opt)
-        what = f"for placement param={placement.param:g} ckpt={placement.ckpt:g} opt={placement.opt:g}"
+        need = mem.at(placement.param, placement.ckpt, placement.opt, placement.grad)
+        what = (f"for placement param={placement.param:g} ckpt={placement.ckpt:g} opt={placement.opt:g}"
+                f" grad={placement.grad:g}")
         fix = "smaller CPU shares (placement), fewer micro-batches"
     if need <= budget:
         return None
@@ -159,8 +160,11 @@ def memory_check(
 def _lp(
     phases: tuple[Phase, ...], mem: LinearMemory, budget: float, placement, *, ckpt_in_cpu: bool = False
 ) -> highspy.HighsLp:
-    """Columns: x_param, x_ckpt, x_opt, then one time per phase (scaled by t0). ckpt_in_cpu:
-    x_ckpt is fixed at 1 (the model `mem` holds only there)."""
+    """Columns: x_param, x_ckpt, x_opt, x_grad, then one time per phase (scaled by t0).
+    ckpt_in_cpu: x_ckpt is fixed at 1 (the model `mem` holds only there). With delayed
+    gradients (`mem.grad_room`) a row keeps x_grad >= grad_room x x_param, where `mem` is
+    exact (the runtime keeps that much in the stale delayed parameters' memory); without
+    them x_grad is 1 (it places nothing)."""
     t0 = max(max(b.seconds for ph in phases for b in ph.bounds), 1e-12)
     nx, nt = len(KINDS), len(phases)
     cost = np.zeros(nx + nt)
@@ -185,18 +189,26 @@ def _lp(
     starts.append(len(index))
     lower.append(-highspy.kHighsInf)
     upper.append((budget - mem.fixed_bytes) / budget)
+    g = KINDS.index("grad")
+    if mem.grad_room:
+        index += [KINDS.index("param"), g]
+        value += [mem.grad_room, -1.0]
+        starts.append(len(index))
+        lower.append(-highspy.kHighsInf)
+        upper.append(0.0)
 
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = nx + nt, len(lower)
     lp.col_cost_ = cost
-    fixed = None if placement is None else [getattr(placement, k) for k in KINDS]
+    fixed = None if placement is None else list(mem.shares(placement.param, placement.ckpt, placement.opt,
+                                                            placement.grad).values())
+    lo, hi = fixed or [0.0] * nx, fixed or [1.0] * nx
     if fixed is None and ckpt_in_cpu:
-        lo, hi = [0.0, 1.0, 0.0], [1.0, 1.0, 1.0]
-        lp.col_lower_ = np.array(lo + [0.0] * nt)
-        lp.col_upper_ = np.array(hi + [highspy.kHighsInf] * nt)
-    else:
-        lp.col_lower_ = np.array((fixed or [0.0] * nx) + [0.0] * nt)
-        lp.col_upper_ = np.array((fixed or [1.0] * nx) + [highspy.kHighsInf] * nt)
+        lo[KINDS.index("ckpt")] = 1.0
+    if fixed is None and not mem.grad_room:
+        lo[g] = 1.0
+    lp.col_lower_ = np.array(lo + [0.0] * nt)
+    lp.col_upper_ = np.array(hi + [highspy.kHighsInf] * nt)
     lp.row_lower_, lp.row_upper_ = np.array(lower), np.array(upper)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
@@ -250,7 +262,7 @@ def resident_ssd_seconds(profile: MachineProfile) -> float:
 
 def make_plan(
     profile: MachineProfile, phases, mem: LinearMemory, budget: float,
-    x: tuple[float, float, float], *, n_micro: int, alpha: float, schedule: str, resident_on_ssd: bool = False,
+    x: tuple[float, ...], *, n_micro: int, alpha: float, schedule: str, resident_on_ssd: bool = False,
 ) -> Plan:
     """Evaluate the time model at x and name the tight rows."""
     shape = profile.shape
@@ -267,7 +279,7 @@ def make_plan(
         binding += [b.name for b in ph.bounds if b.at(x) >= t * (1 - TIGHT) and t > 0]
     return Plan(
         schedule=schedule, n_micro=n_micro, alpha=alpha,
-        placement=Placement(param=x[0], ckpt=x[1], opt=x[2]),
+        placement=Placement(param=x[0], ckpt=x[1], opt=x[2], grad=x[3]),
         predicted_iteration_seconds=iteration,
         predicted_tokens_per_s=n_micro * shape.tokens_per_micro / iteration,
         binding=tuple(binding),
@@ -332,8 +344,8 @@ def _solve(
         sol = _run(_lp(phases, m, budget, fixed, ckpt_in_cpu=ckpt_in_cpu))
         if sol is None:
             return None
-        x0, x1, x2 = (min(1.0, max(0.0, v)) for v in sol)
-        return make_plan(profile, phases, m, budget, (x0, x1, x2), n_micro=n_micro, alpha=alpha, schedule=schedule,
+        x = tuple(min(1.0, max(0.0, v)) for v in sol)
+        return make_plan(profile, phases, m, budget, x, n_micro=n_micro, alpha=alpha, schedule=schedule,
                          resident_on_ssd=resident_on_ssd)
 
     def needed(plan: Plan | None) -> Plan:
@@ -349,8 +361,7 @@ def _solve(
     if short is not None and short.resource != "cpu_memory":
         return short
     plans = [needed(solved(mem, None, False))] if short is None else []
-    smallest = mem_ckpt.fixed_bytes + mem_ckpt.per_share["ckpt"] + sum(
-        min(0.0, mem_ckpt.per_share[k]) for k in ("param", "opt"))
+    smallest = mem_ckpt.smallest({"ckpt": 1.0})
     if smallest <= budget:  # every checkpoint in CPU memory fits: its exact model's plan too
         plans.append(needed(solved(mem_ckpt, None, True)))
     if not plans:
@@ -367,7 +378,7 @@ def predict(
     """Predicted iteration seconds of a fixed configuration (no memory check); resident:
     where the resident optimizer state lives ("cpu", "ssd")."""
     _check(alpha, n_micro, schedule)
-    x = (placement.param, placement.ckpt, placement.opt)
+    x = shares(placement, profile.shape, alpha, schedule)
     layer = layer_seconds(phases_for(profile, n_micro, alpha, schedule), x)
     extra = resident_ssd_seconds(profile) if resident == "ssd" else 0.0
     return profile.shape.n_layers * layer + n_micro * profile.pre_post_seconds + extra

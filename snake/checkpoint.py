@@ -243,7 +243,7 @@ def config_record(cfg: SnakeConfig) -> dict[str, Any]:
         # informational: not checked on load (placement changes results only in the last
         # bit of a few elements, snake.optim.adamw_step; a new optimizer setting is the
         # user's choice)
-        "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt},
+        "placement": None if p is None else {"param": p.param, "ckpt": p.ckpt, "opt": p.opt, "grad": p.grad},
         "resident_optimizer": cfg.resident_optimizer,  # informational, as placement (bitwise either way)
         "optimizer": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                       "lr_schedule": describe(o.lr_schedule), "no_decay": describe(o.no_decay),

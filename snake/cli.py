@@ -26,6 +26,7 @@ from snake.clip import json_float
 from snake.config import (
     MAX_SEED,
     RESIDENT_TIERS,
+    SHARES,
     STORAGE_BACKENDS,
     AdamW,
     DynamicLossScale,
@@ -97,7 +98,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=16, help="global batch (sequences)")
     p.add_argument("--micro-batches", type=positive_int, default=4)
     p.add_argument("--placement", type=_placement, default="0.5,0.5,0.5",
-                   help="CPU shares param,ckpt,opt (rest on SSD)")
+                   help="CPU shares param,ckpt,opt[,grad] (rest on SSD; grad: the delayed gradients, default 1)")
     p.add_argument("--alpha", type=float, default=None,
                    help="delayed share of each optimizer step (default 0.25; 1.0 with --max-grad-norm or a "
                         "dynamic --loss-scale)")
@@ -153,11 +154,15 @@ def _loss_scale(text: str) -> float | str:
 
 def _placement(text: str) -> Placement:
     try:
-        param, ckpt, opt = (float(x) for x in text.split(","))
+        shares = [float(x) for x in text.split(",")]
+        if len(shares) not in (3, 4):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be three numbers param,ckpt,opt, e.g. 0.5,0.5,0.5") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be three numbers param,ckpt,opt or four param,ckpt,opt,grad, e.g. 0.5,0.5,0.5"
+        ) from None
     try:
-        return Placement(param=param, ckpt=ckpt, opt=opt)
+        return Placement(**dict(zip(SHARES, shares, strict=False)))  # type: ignore[arg-type]
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

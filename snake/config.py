@@ -48,24 +48,35 @@ class Placement:
     """CPU-memory share of each offloaded kind, in [0, 1]; the rest lives on SSD.
 
     param: compute-dtype layer parameters. ckpt: per-layer input activation checkpoints.
-    opt: fp32 master weights plus Adam m and v. Gradients always go to CPU memory.
+    opt: fp32 master weights plus Adam m and v. grad: the fp32 gradients that wait for a
+    delayed step (the alpha share of every layer: with clipping or a dynamic loss scale
+    every layer's whole gradient) from the layer's backward to its step in the next
+    iteration; whatever fits in the memory of the layer's CPU-resident delayed parameters
+    (stale meanwhile) stays there at no cost whatever the share. The gradients of the step
+    taken at once always go to CPU memory, and so do all of horizontal's (it adds every
+    micro-batch's gradient into a per-layer accumulator there, where the delayed share
+    waits too: grad places nothing there, nor at alpha = 0).
     """
 
     param: float = 1.0
     ckpt: float = 1.0
     opt: float = 1.0
+    grad: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("param", "ckpt", "opt"):
+        for name in SHARES:
             _share(f"placement.{name}", getattr(self, name))
 
     @classmethod
     def all_cpu(cls) -> Placement:
-        return cls(param=1.0, ckpt=1.0, opt=1.0)
+        return cls(param=1.0, ckpt=1.0, opt=1.0, grad=1.0)
 
     @classmethod
     def all_ssd(cls) -> Placement:
-        return cls(param=0.0, ckpt=0.0, opt=0.0)
+        return cls(param=0.0, ckpt=0.0, opt=0.0, grad=0.0)
+
+
+SHARES = ("param", "ckpt", "opt", "grad")  # Placement's fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

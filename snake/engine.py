@@ -31,7 +31,7 @@ from snake.memory import PoolSizes, fmt_size
 from snake.offload_dir import InMemoryOffloadWarning, memory_fs
 from snake.plans import DELAYED, Plans
 from snake.schedule import build_schedule, stored_outputs
-from snake.stores import TierStore, scatter, tail_file_bytes
+from snake.stores import TierStore, Unit, scatter, tail_file_bytes
 from snake.trace import LINK_TRACK, Tracer, Traffic
 
 
@@ -157,6 +157,8 @@ class Engine:
                 "act_grad", self.hidden_dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin,
                 stop=self.stop,
             )
+            if self.vertical and any(n_del for _n_now, n_del in self.layer_parts):
+                self.stores["grad"] = self._grad_store(store_kw)
             if k.res_on_ssd:  # the resident optimizer state: wholly on SSD, in chunks
                 self.stores["resident"] = TierStore(
                     "resident", torch.float32, k.resident_sizes(), cpu_share=0.0, comps=3, **store_kw)
@@ -248,6 +250,9 @@ class Engine:
             + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
             + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=hsize, whole_units=True)
         )
+        if self.vertical:  # the delayed gradients' SSD share (at most: less where the parameters' memory holds them)
+            tiers += tail_file_bytes([((layer, DELAYED), n) for layer, (_n, n) in enumerate(self.layer_parts) if n],
+                                     cpu_share=self.placement.grad, comps=1, esize=4)
         if self.kernels.res_on_ssd:
             tiers += tail_file_bytes(self.kernels.resident_sizes(), cpu_share=0.0, comps=3, esize=4)
         frozen = self.kernels.frozen_file_bytes()  # a streamed model's frozen weights, mapped
@@ -321,6 +326,9 @@ class Engine:
             "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_out_extra),
             "opt": host_pool("opt", st["opt"], sizes.opt_tails(self.workers, self.delayed)),
         }
+        if "grad" in st:  # the delayed gradients' SSD parts: written by the now-steps, read for the delayed ones
+            self.pools["grad_out"] = host_pool("grad_out", st["grad"], self.workers)
+            self.pools["grad_in"] = host_pool("grad_in", st["grad"], sizes.grad_in_tails)
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(
             "device_params",
             # a layer's trained parameters, then its streamed frozen ones (Kernels.slot_params)
@@ -384,27 +392,53 @@ class Engine:
             alloc_host_tensor(self.P, torch.float32, pin=True, stop=self.stop) if self.pin and not self.vertical else None
         )
 
-    def _delayed_room(self, layer: int, n: int) -> list[torch.Tensor]:
-        """fp32 room for `n` delayed gradient elements of `layer`, as consecutive pieces.
-
-        First the CPU head of the layer's delayed parameter share, reinterpreted as fp32
+    def _reused(self, layer: int, n: int) -> tuple[torch.Tensor | None, int]:
+        """fp32 room in the CPU head of the layer's delayed parameter share, reinterpreted
         (GreedySnake 4.4: once the layer's backward is done, those parameters are stale until
         the delayed step rewrites them from the fp32 master, so their memory can hold the
-        gradient meanwhile); then a dedicated slice for what does not fit there (all of it
-        when the parameters live on SSD; half of it with 2-byte parameters)."""
-        if not n:
-            return []
+        gradient meanwhile): its view and how many of the `n` delayed gradient elements fit."""
         store = self.stores["param"]
         u = store.unit((layer, DELAYED))
         start = -(-u.head_offset * store.esize // 4) * 4  # first 4-byte-aligned byte of the head
         stop = (u.head_offset + u.k) * store.esize
         reused = min(n, max(0, (stop - start) // 4))
-        room = []
-        if reused:
-            room.append(store.cpu.view(torch.uint8)[start : start + 4 * reused].view(torch.float32))
-        if n - reused:
-            room.append(alloc_host_tensor(n - reused, torch.float32, pin=False, stop=self.stop))
+        view = store.cpu.view(torch.uint8)[start : start + 4 * reused].view(torch.float32) if reused else None
+        return view, reused
+
+    def _grad_store(self, store_kw: dict[str, Any]) -> TierStore:
+        """The delayed gradients beyond what the stale delayed parameters' memory holds
+        (`_reused`): per layer one unit, its head in CPU memory and its tail on SSD. The
+        layer keeps max(grad share x its delayed elements, what is reused) in CPU memory, so
+        the stale memory, which costs nothing, is always used first."""
+        share = self.placement.grad
+        units, heads = [], []
+        for layer, (_n_now, n) in enumerate(self.layer_parts):
+            if not n:
+                continue
+            reused = self._reused(layer, n)[1]
+            units.append(((layer, DELAYED), n - reused))
+            heads.append(max(n if share >= 1.0 else int(round(share * n)), reused) - reused)
+        return TierStore("grad", torch.float32, units, cpu_share=share, heads=heads, **{**store_kw, "pin": False})
+
+    def _delayed_room(self, layer: int, n: int) -> list[torch.Tensor]:
+        """fp32 room in CPU memory for the delayed gradient elements of `layer`, as
+        consecutive pieces: the stale delayed parameters' memory (`_reused`), then the head
+        of its unit in the grad store. The unit's tail (`delayed_tail`) follows them on SSD."""
+        if not n:
+            return []
+        view, _reused = self._reused(layer, n)
+        room = [view] if view is not None else []
+        u = self.stores["grad"].unit((layer, DELAYED))
+        if u.k:
+            room.append(self.stores["grad"].head(u)[0])
         return room
+
+    def delayed_tail(self, layer: int) -> Unit | None:
+        """The grad store's unit of `layer` where part of it lives on SSD, else None."""
+        st = self.stores.get("grad")
+        if st is None or not st.has_tail((layer, DELAYED)):
+            return None
+        return st.unit((layer, DELAYED))
 
     def load_initial_weights(self, stop: threading.Event | None = None) -> None:
         """Blocking: write every block's weights into the param and opt stores (fp32 master,

@@ -116,6 +116,13 @@ class PoolSizes:
     ckpt_out_extra: int = 2  # ckpt writes (and their hand-on to the next forward stage)
     opt_tails_extra: int = 1  # opt tail buffers = optimizer workers + this (see opt_tails)
     grad_buffers: int = 2  # vertical: whole-layer fp32 gradient buffers in flight
+    grad_in_tails: int = 2  # vertical: delayed gradients' SSD parts read for their steps
+
+    def grad_tails(self, workers: int) -> int:
+        """Staging buffers of the delayed gradients' SSD parts: one per worker for the
+        writes (each worker's now-step fills one, ssd_write frees it), `grad_in_tails` for
+        the reads before the delayed steps."""
+        return workers + self.grad_in_tails
     device_param_slots: int = 2
 
     def opt_tails(self, workers: int, delayed: bool) -> int:
@@ -129,12 +136,36 @@ class PoolSizes:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinearMemory:
+    """fixed_bytes + sum(per_share[k] x share_k) over the kinds (param, ckpt, opt, grad).
+
+    grad_room: the delayed gradients' share that the memory of the CPU-resident delayed
+    parameters holds per unit of param share (param bytes / 4 vertical with a delayed share,
+    else 0). The runtime keeps at least that much of them in CPU memory whatever the grad
+    share (it costs nothing there), so the grad share in effect is max(grad, grad_room x
+    param) (`shares`), and at it the model is exact."""
+
     fixed_bytes: float
     per_share: dict[str, float]
+    grad_room: float = 0.0
 
-    def at(self, param: float, ckpt: float, opt: float) -> float:
-        s = {"param": param, "ckpt": ckpt, "opt": opt}
+    def shares(self, param: float, ckpt: float, opt: float, grad: float = 1.0) -> dict[str, float]:
+        return {"param": param, "ckpt": ckpt, "opt": opt, "grad": max(grad, min(1.0, self.grad_room * param))}
+
+    def at(self, param: float, ckpt: float, opt: float, grad: float = 1.0) -> float:
+        s = self.shares(param, ckpt, opt, grad)
         return self.fixed_bytes + sum(self.per_share[k] * s[k] for k in s)
+
+    def smallest(self, fixed: dict[str, float] | None = None) -> float:
+        """The least bytes over every placement (shares in `fixed` held there): the
+        minimum of a linear function over the shares' polytope, at one of its vertices."""
+        fixed = fixed or {}
+        free = {k: fixed.get(k) for k in ("ckpt", "opt")}
+        best = self.fixed_bytes + sum(
+            self.per_share[k] * v if v is not None else min(0.0, self.per_share[k]) for k, v in free.items())
+        ps = [fixed["param"]] if "param" in fixed else [0.0, 1.0]
+        pg = [(p, g) for p in ps for g in ((fixed["grad"],) if "grad" in fixed else (0.0, 1.0))]
+        return best + min(self.per_share["param"] * p + self.per_share["grad"] * self.shares(p, 0, 0, g)["grad"]
+                          for p, g in pg)
 
 
 def host_memory(
@@ -193,15 +224,25 @@ def host_memory(
         "param": param_total - param_pool * param_unit,
         "ckpt": ckpt_total - (0 if ckpt_in_cpu else 2 * n_micro * ckpt_unit),
         "opt": opt_total - opt_pool * opt_unit,
+        "grad": 0.0,
     }
-    tails = param_pool * param_unit + ckpt_fixed * ckpt_unit + opt_pool * opt_unit
+    tails: float = param_pool * param_unit + ckpt_fixed * ckpt_unit + opt_pool * opt_unit
     act_grads = (2 * n_micro * c * hb) if schedule == "vertical" else 0  # two layers' slots
+    grad_room = 0.0
     if schedule == "vertical":
         # the delayed (alpha) fp32 gradients wait in the memory of the CPU-resident delayed
-        # parameters (stale until the delayed step rewrites them) and in dedicated memory
-        # for the rest: alpha x n x p x (4 - db x param share) bytes of their own
-        grads = pools.grad_buffers * big * 4 + alpha * n * p * 4
-        per_share["param"] -= alpha * n * p * db
+        # parameters (stale until the delayed step rewrites them: db / 4 of them per unit
+        # of param share, `grad_room`), in dedicated memory up to the grad share, and on SSD
+        # for the rest, through staging buffers sized for the largest layer's delayed share
+        # (`grad_tails`): alpha x n x p x (4 x grad share - db x param share) bytes of their own
+        grads: float = pools.grad_buffers * big * 4
+        if alpha > 0:
+            grad_total, grad_unit = alpha * n * p * 4, alpha * big * 4
+            g_pool = pools.grad_tails(workers)
+            per_share["grad"] = grad_total - g_pool * grad_unit
+            per_share["param"] -= alpha * n * p * db
+            tails += g_pool * grad_unit
+            grad_room = db / 4
     else:
         grads = (n * p + (big if grad_staging else 0)) * 4
     resident = resident_host_bytes(shape.resident_params, resident_on_ssd, staged_grads=grad_staging)
@@ -209,12 +250,13 @@ def host_memory(
     frozen = 0 if shape.layer_frozen_in_files else n * shape.layer_frozen_params * db
     fixed = tails + act_grads + grads + resident + frozen + 16 * ALIGN
     if offload_in_memory:
-        totals = {"param": param_total, "ckpt": ckpt_total, "opt": opt_total}
+        totals = {"param": param_total, "ckpt": ckpt_total, "opt": opt_total,
+                  "grad": alpha * n * p * 4 if grad_room else 0.0}
         for k, b in totals.items():
             per_share[k] -= b
         fixed += sum(totals.values()) + (shape.resident_params * OPT_BYTES_PER_ELEM if resident_on_ssd else 0)
         fixed += n * shape.layer_frozen_params * db if shape.layer_frozen_in_files else 0
-    return LinearMemory(fixed_bytes=float(fixed), per_share=per_share)
+    return LinearMemory(fixed_bytes=float(fixed), per_share=per_share, grad_room=grad_room)
 
 
 # What the process holds beyond the runtime's data and the compute's working set: the
@@ -275,7 +317,7 @@ def off_budget_bytes(shape: ModelShape, *, n_micro: int, device_type: str) -> fl
 def placement_bytes(
     shape: ModelShape, *, n_micro: int, alpha: float, schedule: str, workers: int,
     param: float, ckpt: float, opt: float, device_type: str, resident_on_ssd: bool = False,
-    offload_in_memory: bool = False,
+    offload_in_memory: bool = False, grad: float = 1.0,
 ) -> float:
     """Host bytes a run with these CPU shares grows the process by (and, offload_in_memory,
     its SSD tier's files in a tmpfs): what the planner holds against `cpu_memory_bytes`
@@ -284,4 +326,4 @@ def placement_bytes(
     mem = host_memory(shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
                       ckpt_in_cpu=ckpt >= 1.0, grad_staging=device_type == "cuda",
                       resident_on_ssd=resident_on_ssd, offload_in_memory=offload_in_memory)
-    return mem.at(param, ckpt, opt) + off_budget_bytes(shape, n_micro=n_micro, device_type=device_type)
+    return mem.at(param, ckpt, opt, grad) + off_budget_bytes(shape, n_micro=n_micro, device_type=device_type)

@@ -9,7 +9,8 @@ waits on something queued behind itself:
              the compute actor consumes them.
   ssd_read   param tails two stages ahead; backward ckpt tails one stage ahead (a forward
              stage's ckpts are handed on from their write, never read back); optimizer-state
-             tails one stage before their optimizer step. A forward param read also waits
+             tails one stage before their optimizer step, with the SSD part of a delayed
+             step's gradient (vertical, placement.grad < 1) after them. A forward param read also waits
              for the optimizer steps that produce it (now-step of the last iteration,
              delayed step of this one), so it is ordered after their state reads.
   optimizer  now-step of layer l (1 - alpha of it) as soon as l's gradient is complete
@@ -76,7 +77,7 @@ class ReadOp:
     """SSD -> CPU staging of one unit's tail, for a consumer ("h2d" or "optimizer")."""
 
     t: int
-    kind: Literal["param", "ckpt", "opt"]
+    kind: Literal["param", "ckpt", "opt", "grad"]
     unit: tuple[int, ...]
     need_version: int
     start: float
@@ -141,11 +142,20 @@ class Plans:
         seq = 0
         for step in self.steps(t, list(range(self.n_layers)), first_delayed):
             unit = (step.layer, step.part)
+            opt_start = step.key - 1
             if has_tail("opt", unit):
-                opt_start = step.key - 1
                 opt_tag: tuple = ("tail", "opt", unit, step.t, step.kind)
-                sort = (opt_start, 0, step.key, step.part, step.layer)
+                sort = (opt_start, 0, step.key, step.part, step.layer, 0)
                 ops.append(ReadOp(t, "opt", unit, step.step - 1, opt_start, opt_tag, sort))
+                seq += 1
+            if step.kind == "delayed" and has_tail("grad", unit):
+                # written by the layer's now-step of the iteration before, so never ahead of
+                # the reads that step's stage needs (the reader would wait for the write
+                # while they wait behind it); and ahead of the param read that waits for this step
+                grad_start = max(opt_start, min(self.key_now(t - 1, step.layer) + 1, step.key))
+                grad_tag: tuple = ("tail", "grad", unit, step.t, step.kind)
+                sort = (grad_start, 0, step.key, step.part, step.layer, 1)
+                ops.append(ReadOp(t, "grad", unit, step.grads_of + 1, grad_start, grad_tag, sort))
                 seq += 1
         for ld in self.loads:
             g = t * self.S + ld.need

@@ -98,9 +98,11 @@ class TierStore:
         whole_units: bool = False,
         backend: str = "auto",
         stop: threading.Event | None = None,
+        heads: list[int] | None = None,
     ) -> None:
         """`stop`: set, the CPU heads' zeroing raises Stopped before its next chunk (a
-        cancelled engine build); the file is made only after them."""
+        cancelled engine build); the file is made only after them. `heads`: each unit's
+        elements in CPU memory, given instead of by `cpu_share`."""
         self.kind = kind
         self.dtype = dtype
         self.comps = comps
@@ -109,7 +111,8 @@ class TierStore:
         head = 0
         off = 0
         units = list(sizes)
-        for (key, n), k in zip(units, head_sizes(units, cpu_share, whole_units), strict=True):
+        for (key, n), k in zip(units, heads if heads is not None else head_sizes(units, cpu_share, whole_units),
+                               strict=True):
             u = Unit(key, n, k, comps, head, off)
             self.units[key] = u
             head += comps * k

@@ -453,7 +453,7 @@ class SnakeTrainer:
         kind = self.device.type
         in_memory = memory_fs(self.offload_dir) is not None  # its "SSD" tier is memory too
         need = placement_bytes(shape, n_micro=m, alpha=cfg.alpha, schedule=cfg.schedule, workers=cfg.optimizer_workers,
-                               param=p.param, ckpt=p.ckpt, opt=p.opt, device_type=kind,
+                               param=p.param, ckpt=p.ckpt, opt=p.opt, grad=p.grad, device_type=kind,
                                resident_on_ssd=cfg.resident_optimizer == "ssd", offload_in_memory=in_memory)
         given = cfg.cpu_memory_bytes is not None
         have = float(cfg.cpu_memory_bytes) if cfg.cpu_memory_bytes is not None else float(
@@ -471,7 +471,9 @@ class SnakeTrainer:
             if held > 0:
                 why = "clipping (optimizer.max_grad_norm)" if cfg.optimizer.clips else "a dynamic loss_scale"
                 fix += (f"; {why} holds every layer's fp32 gradient until its step, "
-                        f"{fmt_bytes(held)} of the need (without it, alpha=0.0 needs none of it)")
+                        f"{fmt_bytes(held)} of the need (without it, alpha=0.0 needs none of it)"
+                        + (f": a smaller placement.grad (now {p.grad:g}) puts more of them on SSD"
+                           if p.grad > 0 else ""))
         if in_memory:
             fix = (f"put offload_dir on a disk: {self.offload_dir} is in memory (tmpfs), so its SSD tier takes CPU "
                    f"memory too (counted here); or {fix}")

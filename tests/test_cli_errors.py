@@ -38,6 +38,8 @@ def _train(tmp_path, capsys, *extra: str) -> tuple[int, str]:
         (["--device", "cuda:99"], "argument --device: device='cuda:99'"),
         (["--placement", "2,0.5,0.5"], "argument --placement: placement.param=2.0 must be in [0, 1]"),
         (["--placement", "0.5,0.5"], "argument --placement: '0.5,0.5' must be three numbers"),
+        (["--placement", "0.5,0.5,0.5,0.5,0.5"], "must be three numbers param,ckpt,opt or four param,ckpt,opt,grad"),
+        (["--placement", "0.5,0.5,0.5,2"], "argument --placement: placement.grad=2.0 must be in [0, 1]"),
         (["--heads", "5"], "snake train: --heads=5 must divide --embd=32"),
         (["--micro-batches", "3"], "snake train: --batch=4 is not divisible by --micro-batches=3"),
         (["--seq", "100000000"], "snake train: --seq=100000000 is longer than the training text allows"),

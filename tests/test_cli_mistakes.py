@@ -89,7 +89,7 @@ def test_train_writes_json_values_in_report_config(tmp_path, capsys):
     assert config["alpha"] == 0.25
     assert config["device"] is None
     assert config["offload_dir"] == str(off)
-    assert config["placement"] == {"param": 0.5, "ckpt": 0.5, "opt": 0.5}
+    assert config["placement"] == {"param": 0.5, "ckpt": 0.5, "opt": 0.5, "grad": 1.0}
     assert config["optimizer"] == {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1,
                                    "lr_schedule": None, "no_decay": None, "max_grad_norm": None}
     assert config["stall_timeout_s"] == 300.0 and config["ssd_bandwidth_bytes_per_s"] is None

@@ -4,6 +4,7 @@ the resident state on SSD, bf16, missed steps and resuming; the norm each step r
 the one clip_grad_norm_ returns; faults while steps wait for the norm fail quickly."""
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -202,14 +203,25 @@ async def test_a_placement_that_cannot_hold_the_gradients_names_clipping(tmp_pat
     """Over the memory budget, the error says how much of the need is the gradients that
     clipping (or a dynamic loss scale) holds (vertical keeps each layer's fp32 gradient until
     its step at alpha = 1), and nothing starts."""
-    from snake.memory import fmt_size
+    from planner.profile import shape_of_parts
+    from snake.adapters import describe
+    from snake.memory import fmt_size, placement_bytes
 
-    model = tiny_gpt(n_layer=4, n_embd=256)
-    cfg = SnakeConfig(micro_batches=2, placement=Placement.all_ssd(), alpha=1.0, offload_dir=tmp_path, device="cpu",
-                      cpu_memory_bytes=200_000_000, **waits)
+    model = tiny_gpt(n_layer=8, n_embd=256)
+    in_memory = Placement(param=0.0, ckpt=0.0, opt=0.0, grad=1.0)  # all on SSD but the waiting gradients
+    cfg = SnakeConfig(micro_batches=2, placement=in_memory, alpha=1.0, offload_dir=tmp_path, device="cpu", **waits)
+    need = {g: placement_bytes(shape_of_parts(describe(model), 2, 16, cfg.dtype),
+                               n_micro=2, alpha=1.0, schedule="vertical", workers=2, param=0.0, ckpt=0.0, opt=0.0,
+                               grad=g, device_type="cpu") for g in (0.0, 1.0)}
+    cfg = dataclasses.replace(cfg, cpu_memory_bytes=int(sum(need.values()) / 2))
     async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
         with pytest.raises(ConfigError, match=why + r" \(optimizer.max_grad_norm\) holds|" + why + " holds") as err:
             await t.run(1)
         assert t.engine is None
     held = 4 * sum(p.numel() for p in model.blocks.parameters())  # every layer's gradient, fp32
     assert f"fp32 gradient until its step, {fmt_size(held)} of the need" in str(err.value)
+    assert "a smaller placement.grad (now 1) puts more of them on SSD" in str(err.value)
+    # the fix it names: the same budget holds them on SSD
+    cfg = dataclasses.replace(cfg, placement=Placement.all_ssd(), offload_dir=tmp_path / "b")
+    async with SnakeTrainer(model, data=batches(2, 4), config=cfg) as t:
+        await asyncio.wait_for(t.run(1), 120)

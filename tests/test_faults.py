@@ -81,7 +81,8 @@ def _config(tmp_path, **kw):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind,op,actor", [("ckpt", "pwrite", "ssd_write"), ("param", "pread", "ssd_read"), ("opt", "pread", "ssd_read")])
+@pytest.mark.parametrize("kind,op,actor", [("ckpt", "pwrite", "ssd_write"), ("param", "pread", "ssd_read"), ("opt", "pread", "ssd_read"),
+                                            ("grad", "pwrite", "ssd_write"), ("grad", "pread", "ssd_read")])
 async def test_io_error_surfaces(tmp_path, kind, op, actor):
     async with SnakeTrainer(tiny_gpt(bias=False), data=batches(5, 4), config=_config(tmp_path)) as trainer:
         await trainer.run(1)
@@ -153,14 +154,14 @@ async def test_offload_files_are_private(tmp_path):
         await trainer.run(1)
         assert (off.stat().st_mode & 0o777) == 0o700
         files = list(off.glob("*.bin"))
-        assert {f.name for f in files} == {"param.bin", "opt.bin", "ckpt.bin"}
+        assert {f.name for f in files} == {"param.bin", "opt.bin", "ckpt.bin", "grad.bin"}
         assert all((f.stat().st_mode & 0o777) == 0o600 for f in files)
 
 
 @pytest.mark.asyncio
 # (checkpoints are rewritten each iteration before they are read: a flip between runs is
 # overwritten, not read; within an iteration the same check covers them)
-@pytest.mark.parametrize("kind", ["opt", "param"])
+@pytest.mark.parametrize("kind", ["opt", "param", "grad"])
 async def test_flipped_bytes_on_ssd_are_detected(tmp_path, kind):
     from snake.errors import StorageError
 

@@ -49,7 +49,7 @@ async def test_planner_counts_the_ssd_operations_the_runtime_makes(tmp_path, sch
     on SSD (the planner's per-operation charges on a CPU device rest on this count)."""
     n_layer, m = 3, 2
     cfg = SnakeConfig(micro_batches=m, offload_dir=tmp_path, device="cpu", schedule=schedule, alpha=alpha,
-                      placement=Placement(param=0.5, ckpt=0.0, opt=0.5))
+                      placement=Placement(param=0.5, ckpt=0.0, opt=0.5, grad=0.0))
     async with SnakeTrainer(tiny_gpt(n_layer=n_layer, bias=False), data=batches(3, 2 * m), config=cfg) as trainer:
         await asyncio.wait_for(trainer.run(2), 120)
         t0 = trainer.trace.now()

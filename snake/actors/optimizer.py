@@ -33,7 +33,7 @@ from snake.clip import scale
 from snake.engine import Engine
 from snake.messages import GradsOnHost, Stop, WriteTail
 from snake.optim import adamw_step
-from snake.plans import StepOp
+from snake.plans import DELAYED, StepOp
 from snake.stores import Unit, scatter
 
 
@@ -69,6 +69,8 @@ class OptimizerWorker(Actor):
         n_now, n_del = e.layer_parts[op.layer]
         n = n_now + n_del
         host: torch.Tensor | None = None
+        gtail: HostBuffer | None = None
+        otail = ptail = kept = None
         grads: torch.Tensor | list[torch.Tensor]
         coef: torch.Tensor | None = None
         skip = False
@@ -92,6 +94,10 @@ class OptimizerWorker(Actor):
                 coef, skip = await e.clip.coef(op.t - 1)
             full = None
             grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
+            gu = e.delayed_tail(op.layer)
+            if gu is not None:  # the gradient's SSD part, staged by ssd_read
+                gtail = (await self.inbox.take(("tail", "grad", (op.layer, DELAYED), op.t, op.kind))).buf
+                grads = [*grads, e.stores["grad"].tail(gu, gtail)[0]]
             skipped = e.delayed_skips.pop(op.layer, ())
             if skip:
                 e.kernels.miss_step(op.layer, skipped)
@@ -100,42 +106,85 @@ class OptimizerWorker(Actor):
         ou = ostore.unit((op.layer, op.part))
         pu = pstore.unit((op.layer, op.part))
         otail = None
-        if ou.tail_n:
-            otail = (await self.inbox.take(("tail", "opt", (op.layer, op.part), op.t, op.kind))).buf
-        ppool = e.pools["param_out"]
-        ptail = await ppool.acquire() if pu.tail_n and ppool is not None else None
-
-        def work() -> None:
-            step_unit(e, grads, ou, otail, pu, ptail, op.step,
-                      counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now, clip=coef, skip=skip)
-            if full is not None and e.vertical and n_del:
-                # into the layer's delayed parameter share (stale now) and its spare room
-                scatter([full[n_now:n]], e.delayed_grads[op.layer])
-
         try:
-            await self.work(e.executors["optimizer"], f"adamw L{op.layer} {op.kind}", work)
-        except BaseException:
-            for buf, pool in ((otail, e.pools["opt"]), (ptail, ppool)):
-                if buf is not None and pool is not None:
-                    pool.release(buf)
-            raise
+            if ou.tail_n:
+                otail = (await self.inbox.take(("tail", "opt", (op.layer, op.part), op.t, op.kind))).buf
+            ppool = e.pools["param_out"]
+            ptail = await ppool.acquire() if pu.tail_n and ppool is not None else None
+            keep = full[n_now:n] if full is not None and e.vertical and n_del else None
+            kept = await self._kept_tail(op.layer) if keep is not None else None
+
+            def work() -> None:
+                step_unit(e, grads, ou, otail, pu, ptail, op.step,
+                          counts=counts, layer=op.layer, first=0 if op.kind == "now" else n_now, clip=coef, skip=skip)
+                if keep is not None:
+                    # into the layer's delayed parameter share (stale now), its grad store head and tail
+                    scatter([keep], self._room(op.layer, kept))
+
+            try:
+                await self.work(e.executors["optimizer"], f"adamw L{op.layer} {op.kind}", work)
+            except BaseException:
+                for buf, pool in ((otail, e.pools["opt"]), (ptail, ppool), (kept, e.pools.get("grad_out"))):
+                    if buf is not None and pool is not None:
+                        pool.release(buf)
+                raise
+            finally:
+                self._release(host)
+                host = None
         finally:
             self._release(host)
+            self._release_grad_tail(gtail)
         await self._store(op, ou, otail, "opt")
         await self._store(op, pu, ptail, "param")
+        await self._write_kept(op, kept)
 
     async def _keep(self, op: StepOp, full: torch.Tensor, host: torch.Tensor | None) -> None:
         """The now-step of a layer with no now elements (alpha = 1): its whole gradient
         waits for the delayed step, vertical in the layer's delayed room (the host buffer
         comes back), horizontal in its accumulator."""
         e = self.e
+        kept = None
         try:
             if e.vertical:
                 n = e.layer_P[op.layer]
+                kept = await self._kept_tail(op.layer)
                 await self.work(e.executors["optimizer"], f"grads L{op.layer} keep", scatter,
-                                [full[:n]], e.delayed_grads[op.layer])
+                                [full[:n]], self._room(op.layer, kept))
+        except BaseException:
+            pool = e.pools.get("grad_out")
+            if kept is not None and pool is not None:
+                pool.release(kept)
+            raise
         finally:
             self._release(host)
+        await self._write_kept(op, kept)
+
+    async def _kept_tail(self, layer: int) -> HostBuffer | None:
+        """A staging buffer for the SSD part of the layer's delayed gradient, if it has one."""
+        pool = self.e.pools.get("grad_out")
+        return await pool.acquire() if pool is not None and self.e.delayed_tail(layer) is not None else None
+
+    def _room(self, layer: int, kept: HostBuffer | None) -> list[torch.Tensor]:
+        """Where the layer's delayed gradient waits: its CPU room, then `kept` (its SSD part)."""
+        e = self.e
+        u = e.delayed_tail(layer)
+        return e.delayed_grads[layer] + ([e.stores["grad"].tail(u, kept)[0]] if kept is not None and u else [])
+
+    async def _write_kept(self, op: StepOp, kept: HostBuffer | None) -> None:
+        """The SSD part of a delayed gradient of iteration op.t to ssd_write (version t + 1:
+        the delayed step of iteration t + 1 reads it)."""
+        if kept is None:
+            return
+        e = self.e
+        u = e.delayed_tail(op.layer)
+        pool = e.pools["grad_out"]
+        assert u is not None and pool is not None
+        await self.ssd_write.put(WriteTail(op.t, e.stores["grad"], u, kept, pool, ("grad", op.layer, DELAYED), op.t + 1))
+
+    def _release_grad_tail(self, buf: HostBuffer | None) -> None:
+        pool = self.e.pools.get("grad_in")
+        if buf is not None and pool is not None:
+            pool.release(buf)
 
     def _release(self, host: torch.Tensor | None) -> None:
         """The host buffer a now-step's gradient came in, or on a CPU device the slot itself."""
@@ -232,10 +281,17 @@ def flush_delayed(e: Engine) -> None:
     e.flush_partial = False  # no layer changed yet: a failure here can be retried
     obuf = alloc_host(max(ostore.max_tail_bytes, 1), pin=False)
     pbuf = alloc_host(max(pstore.max_tail_bytes, 1), pin=False)
+    gstore = e.stores.get("grad")
+    gbuf = alloc_host(gstore.max_tail_bytes, pin=False) if gstore is not None and gstore.max_tail_bytes else None
     for layer in range(e.N):
         n_now, n_del = e.layer_parts[layer]
         grads = e.delayed_grads[layer] if e.vertical else e.accumulators[layer][n_now : n_now + n_del]
         ou, pu = ostore.unit((layer, 1)), pstore.unit((layer, 1))
+        gu = e.delayed_tail(layer)
+        if gu is not None:  # the gradient's SSD part
+            assert gstore is not None and gbuf is not None
+            gstore.read_tail(gu, gbuf)
+            grads = [*grads, gstore.tail(gu, gbuf)[0]]
         if ou.tail_n:
             ostore.read_tail(ou, obuf)
         e.flush_partial = True  # from here the CPU copies change in place

@@ -3,7 +3,8 @@ layer granularity between CPU memory and SSD).
 
 ssd_read
 | consumes  | its plan (snake.plans.read_plan)                                       |
-| produces  | TailOnHost -> h2d (param, ckpt), -> optimizer[layer % workers] (opt)    |
+| produces  | TailOnHost -> h2d (param, ckpt), -> optimizer[layer % workers] (opt,   |
+|           | grad)                                                                  |
 | waits for | the clock (lead stages ahead), the ledger (the version it needs is     |
 |           | written), a staging buffer                                             |
 | unblocked | by compute (clock), ssd_write / optimizer (ledger), consumers (buffers)|
@@ -21,7 +22,7 @@ from snake.channels import Mailbox, StageClock
 from snake.engine import Engine
 from snake.messages import Stop, TailOnHost, WriteTail
 
-READ_POOL = {"param": "param_in", "ckpt": "ckpt_in", "opt": "opt"}
+READ_POOL = {"param": "param_in", "ckpt": "ckpt_in", "opt": "opt", "grad": "grad_in"}
 
 
 class SsdRead(Actor):
@@ -45,7 +46,8 @@ class SsdRead(Actor):
 
     async def run(self) -> None:
         e = self.e
-        plan = e.plans.read_plan(self.iterations, lambda kind, unit: e.stores[kind].has_tail(unit), e.first_delayed)
+        plan = e.plans.read_plan(self.iterations, lambda kind, unit: kind in e.stores and e.stores[kind].has_tail(unit),
+                                 e.first_delayed)
         for op in plan:
             self.at(op.t, op.unit[0], op.unit[1] if op.kind == "ckpt" else None)
             await self.clock.wait_for(op.start)  # type: ignore[arg-type]
@@ -63,7 +65,7 @@ class SsdRead(Actor):
                 pool.release(buf)
                 raise
             e.traffic.add(op.t, "ssd", "cpu", op.kind, nbytes)
-            dest = self.h2d if op.kind != "opt" else self.optimizers[op.unit[0] % len(self.optimizers)]
+            dest = self.h2d if op.kind in ("param", "ckpt") else self.optimizers[op.unit[0] % len(self.optimizers)]
             await dest.put(TailOnHost(op.tag, buf, pool))
 
 

@@ -34,7 +34,7 @@ def test_json_output_has_the_plan(tmp_path, capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     assert KEYS <= set(d)
-    assert set(d["placement"]) == {"param", "ckpt", "opt"}
+    assert set(d["placement"]) == {"param", "ckpt", "opt", "grad"}
     assert d["micro_batches"] >= 1 and 0 <= d["alpha"] <= 0.5
     assert isinstance(d["binding"], list) and d["binding"]
     assert d["predicted_tokens_per_s"] > 0
@@ -178,7 +178,7 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
             "--json", "--cpu-memory", "4GiB"]
     assert plan_main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["micro_batches"] >= 1 and set(plan["placement"]) == {"param", "ckpt", "opt"}
+    assert plan["micro_batches"] >= 1 and set(plan["placement"]) == {"param", "ckpt", "opt", "grad"}
     assert (seen["blocks"], seen["counts"]) == (blocks, counts)  # the layers built and timed
     # the same shape the trainer plans with
     full = describe(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))

@@ -117,7 +117,7 @@ def test_cpu_device_adds_compute_adam_and_copies(schedule):
 
     cuda = synthetic_profile(cpu_memory_bytes=512 * GiB, h2d_bytes_per_s=2e9, d2h_bytes_per_s=2e9)
     cpu = dataclasses.replace(cuda, device="cpu")
-    x = (1.0, 1.0, 1.0)
+    x = (1.0, 1.0, 1.0, 1.0)
     for ph_cuda, ph_cpu in zip(phases_for(cuda, 4, 0.2, schedule), phases_for(cpu, 4, 0.2, schedule), strict=True):
         parts = [b.at(x) for b in ph_cuda.bounds if not b.name.startswith("ssd_")]
         assert ph_cuda.seconds_at(x) == pytest.approx(max(parts))
@@ -190,17 +190,17 @@ def test_cpu_device_charges_each_ssd_operation(monkeypatch):
     for ph in phases_for(cpu, n, 0.0, "vertical"):
         host = next(b for b in ph.bounds if b.name.startswith("host_"))
         ssd = next(b for b in ph.bounds if b.name.startswith("ssd_"))
-        assert host.at((1.0, 0.0, 0.3)) - host.at((1.0, 1.0, 0.3)) == pytest.approx(host_c * n)
-        assert host.at((1.0, 1.0, 1.0)) == pytest.approx(sum(
-            b.at((1.0, 1.0, 1.0)) for b in ph.bounds if b.name.split("_")[0] in ("compute", "adam", "h2d", "d2h")))
+        assert host.at((1.0, 0.0, 0.3, 1.0)) - host.at((1.0, 1.0, 0.3, 1.0)) == pytest.approx(host_c * n)
+        assert host.at((1.0, 1.0, 1.0, 1.0)) == pytest.approx(sum(
+            b.at((1.0, 1.0, 1.0, 1.0)) for b in ph.bounds if b.name.split("_")[0] in ("compute", "adam", "h2d", "d2h")))
         ckpt_bytes = (ph.traffic.ssd_read[1] / cpu.ssd_read_bytes_per_s
                       + ph.traffic.ssd_write[1] / cpu.ssd_write_bytes_per_s)
-        assert ssd.at((1.0, 0.0, 0.3)) - ssd.at((1.0, 1.0, 0.3)) == pytest.approx(ckpt_bytes + ssd_c * n)
+        assert ssd.at((1.0, 0.0, 0.3, 1.0)) - ssd.at((1.0, 1.0, 0.3, 1.0)) == pytest.approx(ckpt_bytes + ssd_c * n)
     cuda = dataclasses.replace(cpu, device="cuda")
     for ph in phases_for(cuda, n, 0.0, "vertical"):
         assert not any(b.name.startswith("host_") for b in ph.bounds)
         ssd = next(b for b in ph.bounds if b.name.startswith("ssd_"))
-        assert ssd.at((1.0, 1.0, 1.0)) == 0.0
+        assert ssd.at((1.0, 1.0, 1.0, 1.0)) == 0.0
     # run P's profile: without the charges the plans at M = 16 (compute-bound) and M = 8
     # (I/O-bound) put checkpoints on SSD, predicted faster; side by side such plans ran 9 %
     # (M = 16) and 21 % (M = 8) slower than with the checkpoints in CPU memory
@@ -319,3 +319,52 @@ def test_horizontal_on_cuda_charges_its_gradient_staging_buffer():
     r = solve(p, n_micro=1, alpha=0.0, schedule="horizontal")
     assert isinstance(r, Infeasible)
     assert r.short_by == pytest.approx(need.fixed_bytes + RUNTIME_OVERHEAD_BYTES - 1 * GiB)
+
+
+def test_gradients_that_wait_go_to_ssd_when_memory_is_short():
+    """At alpha = 1 (clipping, a dynamic loss scale) every layer's fp32 gradient waits for
+    the next iteration: 4.8 GB for this 1.2 B-parameter model. Where CPU memory cannot hold
+    them beside the least of everything else, the planner puts part of them on SSD
+    (placement.grad), charges their writes and reads, and keeps to the budget; with room it
+    keeps them all in memory."""
+    from planner.model import shares, ssd_bytes
+
+    p, n = synthetic_profile(), 4
+    mem = host_memory(p.shape, n_micro=n, alpha=1.0, schedule="vertical", workers=2, grad_staging=True)
+    least, least_in_memory = mem.smallest(), mem.smallest({"grad": 1.0})
+    assert least_in_memory - least > 3e9
+    budget = (least + least_in_memory) / 2
+    short = dataclasses.replace(p, cpu_memory_bytes=budget + LP.off_budget(p, n))
+    fixed = solve(short, n_micro=n, alpha=1.0, placement=Placement(param=0.0, ckpt=0.0, opt=0.0, grad=1.0))
+    assert isinstance(fixed, Infeasible) and fixed.resource == "cpu_memory"
+    plan = solve(short, n_micro=n, alpha=1.0)
+    assert isinstance(plan, Plan), plan
+    assert 0.0 < plan.placement.grad < 1.0
+    assert plan.host_memory_bytes <= budget * (1 + 1e-9)
+    assert plan.host_memory_bytes == pytest.approx(mem.at(*shares(plan.placement, p.shape, 1.0, "vertical")))
+    phases = phases_for(short, n, 1.0, "vertical")
+    x = shares(plan.placement, p.shape, 1.0, "vertical")
+    grads = p.shape.n_layers * 2 * 4 * p.shape.layer_params * (1 - x[3])  # written once, read once
+    in_memory = (*x[:3], 1.0)
+    assert plan.ssd_bytes_per_iteration - p.shape.n_layers * ssd_bytes(phases, in_memory) == pytest.approx(grads)
+    roomy = solve(dataclasses.replace(p, cpu_memory_bytes=512 * GiB), n_micro=n, alpha=1.0)
+    assert isinstance(roomy, Plan) and roomy.placement.grad == 1.0
+
+
+def test_the_grad_share_is_at_least_what_the_stale_parameters_hold():
+    """The runtime keeps in the stale delayed parameters' memory what fits there whatever the
+    grad share (param bytes / 4 of the gradient per unit of param share): the memory model
+    and the LP count the grad share in effect, and without delayed gradients it is moot."""
+    p = synthetic_profile()  # bf16: half a gradient per parameter share
+    mem = host_memory(p.shape, n_micro=4, alpha=1.0, schedule="vertical", workers=2, grad_staging=True)
+    assert mem.shares(1.0, 1.0, 1.0, 0.0)["grad"] == 0.5
+    assert mem.at(1.0, 1.0, 1.0, 0.0) == mem.at(1.0, 1.0, 1.0, 0.5) < mem.at(1.0, 1.0, 1.0, 0.6)
+    assert mem.at(0.0, 1.0, 1.0, 0.0) < mem.at(0.0, 1.0, 1.0, 0.5)
+    plan = solve(p, n_micro=4, alpha=1.0, placement=Placement(param=1.0, ckpt=0.0, opt=0.0, grad=0.0))
+    assert isinstance(plan, Plan)
+    assert plan.host_memory_bytes == pytest.approx(mem.at(1.0, 0.0, 0.0, 0.5))
+    for alpha, schedule in ((0.0, "vertical"), (1.0, "horizontal")):
+        none = host_memory(p.shape, n_micro=4, alpha=alpha, schedule=schedule, workers=2)
+        assert none.at(0.5, 1.0, 1.0, 0.0) == none.at(0.5, 1.0, 1.0, 1.0)
+        free = solve(p, n_micro=4, alpha=alpha, schedule=schedule)
+        assert isinstance(free, Plan) and free.placement.grad == 1.0
