@@ -129,3 +129,30 @@ def test_snake_train_takes_a_grad_share(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["placement"] == {"param": 0.0, "ckpt": 0.5, "opt": 0.5, "grad": 0.0}
     assert report["config"]["alpha"] == 1.0
+
+
+@pytest.mark.asyncio
+async def test_the_planner_puts_waiting_gradients_on_ssd_under_a_tight_budget(tmp_path):
+    """Clipping with the planner choosing the placement (alpha and placement None) under a
+    memory budget that cannot hold every layer's fp32 gradient beside the least of the rest:
+    it plans part of them on SSD, the run keeps to the plan, and the weights are torch's."""
+    from planner.profile import shape_of_parts
+    from snake.adapters import describe
+    from snake.memory import off_budget_bytes
+
+    model = tiny_gpt(n_layer=24, bias=False)  # enough layers that their gradients outweigh the staging buffers
+    data = batches(3, 4)
+    shape = shape_of_parts(describe(model), 2, 16, "float32")
+    mem = host_memory(shape, n_micro=2, alpha=1.0, schedule="vertical", workers=2)
+    least, least_in_memory = mem.smallest(), mem.smallest({"grad": 1.0})
+    assert least_in_memory > least
+    budget = int(off_budget_bytes(shape, n_micro=2, device_type="cpu") + (least + least_in_memory) / 2)
+    cfg = SnakeConfig(micro_batches=2, placement=None, alpha=None, offload_dir=tmp_path, device="cpu",
+                      cpu_memory_bytes=budget, resident_optimizer="cpu", optimizer=AdamW(max_grad_norm=CLIPS))
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(3), 120)
+        assert t.config.alpha == 1.0
+        assert t.config.placement.grad < 1.0
+        assert t.engine.stores["grad"].file_bytes > 0
+        got = await t.state_dict()
+    assert_close_state(got, reference(model, data, 2, max_norm=CLIPS)[0])
