@@ -16,7 +16,7 @@ computes in float16 (a static loss scale of 1024) and a fourth one is added:
 
     python benchmarks/clip.py [--layers 8] [--width 512] [--seq 128] [--micro-batches 4]
                               [--micro-batch-size 2] [--placement 0.5,0.5,0.5] [--rounds 6]
-                              [--steps 2] [--dtype float16] [--grad-share 0]
+                              [--steps 2] [--dtype float16] [--grad-share 0] [--ssd-cap 1e8]
                               # ~3 min on 2 cores (float32)
 
 CPU device unless CUDA is present. Each trainer takes one warm-up step, then per round each
@@ -76,7 +76,7 @@ async def measure(args: argparse.Namespace, device: str) -> dict:
     for name, kw in ways.items():
         config = SnakeConfig(micro_batches=args.micro_batches, offload_dir=SCRATCH / f"clip-{name}",
                              placement=_placement_of(args, name), device=device, dtype=args.dtype,
-                             **kw)  # type: ignore[arg-type]
+                             ssd_bandwidth_bytes_per_s=args.ssd_cap, **kw)  # type: ignore[arg-type]
         trainers[name] = SnakeTrainer(on_worker(make_model, cfg), data=data, config=config)
     times: dict[str, list[float]] = {name: [] for name in ways}
     grad_bytes: dict[str, dict[str, int]] = {}
@@ -128,6 +128,7 @@ def main() -> None:
                     help="compute dtype; float16 adds the dynamic loss scale's trainer")
     ap.add_argument("--grad-share", type=float, default=None,
                     help="add clip_ssd: clipping with this placement.grad (the waiting gradients' CPU share)")
+    ap.add_argument("--ssd-cap", type=float, default=None, help="cap the SSD tier at this many bytes/s (I/O-bound)")
     ap.add_argument("--name", default="clip", help="results/<name>.json")
     args = ap.parse_args()
     device = checked_device(args, ("micro_batches", "micro_batch_size", "rounds", "steps"))
