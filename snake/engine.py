@@ -364,10 +364,10 @@ class Engine:
         return max(sum(st.has_tail((layer, m)) for m in range(self.M)) for layer in range(self.N))
 
     def _make_grads(self) -> None:
-        """Gradients always live in CPU memory. Vertical: a pool of whole-layer fp32 buffers
-        for the now-step (on a CPU device the gradient slots themselves, `slot_grads`), plus
-        room per layer for the delayed (alpha) share until the next iteration's forward
-        (`_delayed_room`). Horizontal: an fp32 accumulator per layer
+        """Gradients reach CPU memory. Vertical: a pool of whole-layer fp32 buffers for the
+        now-step (on a CPU device the gradient slots themselves, `slot_grads`), plus room per
+        layer for the delayed (alpha) share until the next iteration's forward
+        (`_delayed_room`; what placement.grad leaves out of it waits on SSD, `delayed_tail`). Horizontal: an fp32 accumulator per layer
         (ZeRO-Infinity style; the delayed share stays in it until it is stepped). On CUDA,
         horizontal also has one pinned layer buffer (`grad_staging`) that each micro-batch's
         gradient crosses on the copy stream before it is added to the accumulator."""

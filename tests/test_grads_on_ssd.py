@@ -156,3 +156,35 @@ async def test_the_planner_puts_waiting_gradients_on_ssd_under_a_tight_budget(tm
         assert t.engine.stores["grad"].file_bytes > 0
         got = await t.state_dict()
     assert_close_state(got, reference(model, data, 2, max_norm=CLIPS)[0])
+
+
+@pytest.mark.asyncio
+async def test_the_disk_check_counts_the_gradients_ssd_tier(tmp_path, monkeypatch):
+    """Before any file is made, the free-space check adds the waiting gradients' SSD part:
+    a disk with exactly the room the other kinds take refuses grad=0 and takes grad=1."""
+    from collections import namedtuple
+
+    import snake.engine
+    from snake import ConfigError
+
+    kw = dict(micro_batches=2, alpha=1.0, device="cpu", optimizer=AdamW(max_grad_norm=CLIPS))
+    model = tiny_gpt(n_layer=3, bias=False)
+    in_memory = Placement(param=0.0, ckpt=0.0, opt=0.0, grad=1.0)
+    async with SnakeTrainer(model, data=batches(1, 4), config=SnakeConfig(offload_dir=tmp_path / "a",
+                                                                          placement=in_memory, **kw)) as t:
+        await t.run(1)
+        room = t.engine.offload_bytes()
+        grads = sum(t.engine.layer_parts[layer][1] * 4 for layer in range(t.engine.N))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(snake.engine.shutil, "disk_usage", lambda p: usage(2**40, 2**40 - room, room))
+    for placement, fits in ((Placement.all_ssd(), False), (in_memory, True)):
+        off = tmp_path / f"b{fits}"
+        async with SnakeTrainer(model, data=batches(1, 4), config=SnakeConfig(offload_dir=off, placement=placement,
+                                                                              **kw)) as t:
+            if fits:
+                await asyncio.wait_for(t.run(1), 60)
+            else:
+                with pytest.raises(ConfigError, match=r"offload_dir.*free but the SSD tier needs") as err:
+                    await asyncio.wait_for(t.run(1), 60)
+                assert not list(off.glob("*.bin"))
+                assert grads > 0 and "placement shares" in str(err.value)

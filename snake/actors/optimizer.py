@@ -1,19 +1,21 @@
 """A CPU optimizer worker; the pool is `optimizer_workers` of them, layer l on worker
 l % workers (GreedySnake 4.3-4.4).
 
-| consumes  | its plan (snake.plans.worker_plan), GradsOnHost, TailOnHost (opt)      |
+| consumes  | its plan (snake.plans.worker_plan), GradsOnHost, TailOnHost (opt, grad)|
 | produces  | updated master/m/v and compute-dtype params: heads in place, tails as  |
-|           | WriteTail -> ssd_write; ledger marks                                   |
+|           | WriteTail -> ssd_write; the SSD part of a delayed gradient (WriteTail);|
+|           | ledger marks                                                           |
 | waits for | the layer's gradient (now-step), the clock (delayed step: two stages   |
-|           | before the layer's forward), the opt tail, a param staging buffer      |
+|           | before the layer's forward), the opt tail, the delayed gradient's SSD  |
+|           | part, a param or gradient staging buffer                               |
 | unblocked | by d2h (gradients), ssd_read (opt tails), ssd_write (buffers)          |
 
 now-step: the first (1 - alpha) of the layer's elements, as soon as the gradient is in
 CPU memory, overlapping the backward of later layers. delayed step: the remaining alpha,
-in the next iteration before the layer's forward; its gradient waits in CPU memory
-(vertical: in the memory of the layer's CPU-resident delayed parameters, which are stale
-until this step rewrites them, plus a dedicated slice for the rest, GreedySnake 4.4;
-horizontal: the layer's accumulator). AdamW is element-wise, so the split gives the result
+in the next iteration before the layer's forward; its gradient waits (vertical: in the
+memory of the layer's CPU-resident delayed parameters, which are stale until this step
+rewrites them, GreedySnake 4.4, then in the grad store's CPU head up to placement.grad, the
+rest on SSD; horizontal: the layer's accumulator). AdamW is element-wise, so the split gives the result
 of alpha = 0 (to the last bit of a few elements: snake.optim.adamw_step). At alpha = 1
 the now-step has no elements and only keeps the gradient: every step can then wait for
 the whole iteration's gradient.
@@ -105,7 +107,6 @@ class OptimizerWorker(Actor):
         ostore, pstore = e.stores["opt"], e.stores["param"]
         ou = ostore.unit((op.layer, op.part))
         pu = pstore.unit((op.layer, op.part))
-        otail = None
         try:
             if ou.tail_n:
                 otail = (await self.inbox.take(("tail", "opt", (op.layer, op.part), op.t, op.kind))).buf
@@ -128,10 +129,7 @@ class OptimizerWorker(Actor):
                     if buf is not None and pool is not None:
                         pool.release(buf)
                 raise
-            finally:
-                self._release(host)
-                host = None
-        finally:
+        finally:  # the gradient's buffers, read now (or the step failed)
             self._release(host)
             self._release_grad_tail(gtail)
         await self._store(op, ou, otail, "opt")
@@ -182,6 +180,7 @@ class OptimizerWorker(Actor):
         await self.ssd_write.put(WriteTail(op.t, e.stores["grad"], u, kept, pool, ("grad", op.layer, DELAYED), op.t + 1))
 
     def _release_grad_tail(self, buf: HostBuffer | None) -> None:
+        """The staging buffer a delayed gradient's SSD part was read into."""
         pool = self.e.pools.get("grad_in")
         if buf is not None and pool is not None:
             pool.release(buf)
