@@ -58,6 +58,17 @@ def _positive_size(text: str) -> float:
     return size
 
 
+def _alpha(text: str) -> float:
+    """A delayed share in [0, 1] (--alpha)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1] (1 for clipping or float16's dynamic scale)")
+    return value
+
+
 def _ssd_bandwidth(text: str) -> float:
     """`parse_size`, at least SnakeConfig's lowest cap (1 MB/s): below it the SSD probe
     does not finish (at 1 B/s it hangs)."""
@@ -221,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--schedule", default="vertical", choices=("vertical", "horizontal"))
     p.add_argument("--max-micro-batches", type=positive_int, default=64)
+    p.add_argument("--alpha", type=_alpha, default=None,
+                   help="plan at this delayed share: 1 for clipping (--max-grad-norm) or float16's dynamic "
+                        "loss scale, whose steps all wait for the whole gradient; default: the best one")
     p.add_argument("--resident-optimizer", default="auto", choices=("auto", "cpu", "ssd"),
                    help="where the embeddings' and head's optimizer state lives (auto: the planner chooses)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -344,12 +358,15 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
         print(f"snake plan: {e}", file=sys.stderr)
         return 2
     resident = None if args.resident_optimizer == "auto" else args.resident_optimizer
-    plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches, resident=resident)
+    plan = search(profile, schedule=args.schedule, max_n=args.max_micro_batches, resident=resident,
+                  alphas=None if args.alpha is None else (args.alpha,))
     if isinstance(plan, Infeasible):
         print(f"snake plan: infeasible: {plan.message}", file=sys.stderr)
         return 2
+    # horizontal at the same placement, at alpha 0 (ZeRO-Infinity) or at the alpha asked for
+    # (clipping's steps wait in either schedule)
     d = plan_json(plan, profile, predict_horizontal(profile, plan.n_micro, plan.placement,
-                                                    resident=plan.resident_optimizer))
+                                                    alpha=args.alpha or 0.0, resident=plan.resident_optimizer))
     print(json.dumps(d, indent=1) if args.json else format_table(d))
     if args.plot:
         ns = range(1, max(16, 2 * plan.n_micro) + 1)

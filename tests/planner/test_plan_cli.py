@@ -234,3 +234,20 @@ def test_resident_optimizer_goes_to_ssd_where_only_that_fits(tmp_path, capsys):
     assert "resident optimizer    cpu" in capsys.readouterr().out  # the SSD's traffic costs time
     assert plan_main(_args(tmp_path, "--cpu-memory", str(budget), "--resident-optimizer", "cpu"), profile=prof) == 2
     assert "resident_optimizer='ssd'" in capsys.readouterr().err
+
+
+def test_alpha_plans_for_clipping_with_the_waiting_gradients_on_ssd(tmp_path, capsys):
+    """`--alpha 1`: the plan a clipped run needs, every step waiting for the whole gradient;
+    under a budget that cannot hold the fp32 gradients it puts part of them on SSD (grad
+    share in the table), where the best alpha needed none of them."""
+    assert plan_main(_args(tmp_path, "--json", "--cpu-memory", "12GiB"), profile=synthetic_profile()) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert plan_main(_args(tmp_path, "--json", "--cpu-memory", "12GiB", "--alpha", "1"),
+                     profile=synthetic_profile()) == 0
+    clipped = json.loads(capsys.readouterr().out)
+    assert free["alpha"] < 1.0 and clipped["alpha"] == 1.0
+    assert clipped["placement"]["grad"] < 1.0
+    assert plan_main(_args(tmp_path, "--cpu-memory", "12GiB", "--alpha", "1"), profile=synthetic_profile()) == 0
+    assert "grad " in capsys.readouterr().out.split("CPU share")[1].splitlines()[0]
+    assert plan_main(_args(tmp_path, "--alpha", "2"), profile=synthetic_profile()) == 2
+    assert "--alpha: 2.0 must be in [0, 1]" in capsys.readouterr().err
