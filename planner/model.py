@@ -152,7 +152,10 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     # two units per layer (the step's now and delayed parts), each loaded and written on its
     # own; alpha = 1 leaves only the delayed one
     split = 1 + (0 < a < 1)
-    gb = a * GRAD_BYTES_PER_ELEM * p  # the delayed gradient: written after the backward, read for its step
+    # the delayed gradient: written after the backward, read for its step; but layer 0's
+    # stays in its staging buffer (its delayed step comes next, snake.plans.grad_stays)
+    moved = (profile.shape.n_layers - 1) / profile.shape.n_layers
+    gb = a * GRAD_BYTES_PER_ELEM * p * moved
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
@@ -160,7 +163,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=n * cb,
         ssd_read=(pb, 0.0, a * ob, gb),
         ssd_write=(a * pb, n * cb, a * ob, 0.0),
-        ssd_ops=(split + (a > 0), n, 2 * (a > 0), float(a > 0)),
+        ssd_ops=(split + (a > 0), n, 2 * (a > 0), (a > 0) * moved),
     )
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
@@ -169,7 +172,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
         ssd_read=(pb, n * cb, (1 - a) * ob, 0.0),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob, gb),
-        ssd_ops=(split + (a < 1), n, 2 * (a < 1), float(a > 0)),
+        ssd_ops=(split + (a < 1), n, 2 * (a < 1), (a > 0) * moved),
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 

@@ -127,11 +127,12 @@ class BufferPool(Generic[T]):
     def free(self) -> int:
         return self._free.qsize()
 
-    def check_all_returned(self) -> None:
-        if self._free.qsize() != self.size:
+    def check_all_returned(self, held: int = 0) -> None:
+        """Every buffer is back but the `held` ones kept on purpose."""
+        if self._free.qsize() != self.size - held:
             raise RuntimeError(
                 f"pool {self.name!r}: {self.size - self._free.qsize()} of {self.size} buffers "
-                "were not returned (internal error)"
+                f"were not returned{f' ({held} are held)' if held else ''} (internal error)"
             )
 
     def reset(self, buffers: list[T]) -> None:

@@ -118,6 +118,8 @@ class Engine:
         # per layer, the parameters (by index) its pending delayed step leaves: those without
         # a gradient in the iteration its gradient is of (Kernels.take_skipped)
         self.delayed_skips: dict[int, tuple[int, ...]] = {}
+        # the SSD parts of delayed gradients kept in their staging buffers (Plans.grad_stays)
+        self.held_grads: dict[int, HostBuffer] = {}
         # clipping by the global gradient norm (AdamW.max_grad_norm, at alpha = 1), or with
         # max_grad_norm=inf only the norm, and float16's dynamic loss scale (at alpha = 1):
         # the norms, coefficients and skipped steps of the iterations in flight
@@ -433,6 +435,14 @@ class Engine:
             room.append(self.stores["grad"].head(u)[0])
         return room
 
+    def release_held_grads(self) -> None:
+        """On the event loop, after flush_delayed applied the steps they were kept for."""
+        pool = self.pools.get("grad_out")
+        for layer in list(self.held_grads):
+            buf = self.held_grads.pop(layer)
+            if pool is not None:
+                pool.release(buf)
+
     def delayed_tail(self, layer: int) -> Unit | None:
         """The grad store's unit of `layer` where part of it lives on SSD, else None."""
         st = self.stores.get("grad")
@@ -497,8 +507,9 @@ class Engine:
 
     # -- end of run -------------------------------------------------------------------
     def check_pools(self) -> None:
+        held = self.pools.get("grad_out")  # its buffers that hold layer 0's gradient for the next run
         for p in self._all_pools:
-            p.check_all_returned()
+            p.check_all_returned(len(self.held_grads) if p is held else 0)
 
     def shutdown_executors(self) -> None:
         """Every executor but the data thread's, which the trainer owns (and may not be able

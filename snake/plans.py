@@ -108,6 +108,13 @@ class Plans:
     def key_delayed(self, t: int, layer: int) -> float:
         return max(t * self.S + self.fwd[layer] - DELAYED_LEAD, self.key_now(t - 1, layer))
 
+    def grad_stays(self, layer: int) -> bool:
+        """The layer's delayed step comes right after its now-step of the iteration before
+        (vertical: layer 0, the last backward and the first forward): the SSD part of its
+        delayed gradient stays in the staging buffer it was copied into, neither written nor
+        read back, which would put an SSD round trip between the two iterations."""
+        return self.S + self.fwd[layer] - DELAYED_LEAD <= self.last_bwd[layer]
+
     def has_delayed(self, t: int, first_delayed: int) -> bool:
         return self.delayed and t >= max(1, first_delayed)
 
@@ -148,7 +155,7 @@ class Plans:
                 sort = (opt_start, 0, step.key, step.part, step.layer, 0)
                 ops.append(ReadOp(t, "opt", unit, step.step - 1, opt_start, opt_tag, sort))
                 seq += 1
-            if step.kind == "delayed" and has_tail("grad", unit):
+            if step.kind == "delayed" and has_tail("grad", unit) and not self.grad_stays(step.layer):
                 # written by the layer's now-step of the iteration before, so never ahead of
                 # the reads that step's stage needs (the reader would wait for the write
                 # while they wait behind it); and ahead of the param read that waits for this step

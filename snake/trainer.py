@@ -315,6 +315,7 @@ class SnakeTrainer:
         assert e is not None
         try:
             await run_blocking(e.executors["io"], flush_delayed, e)
+            e.release_held_grads()
         except BaseException as exc:
             if e.flush_partial:  # some layers stepped, some not
                 self._broken = f"{what} failed applying the delayed optimizer steps: {type(exc).__name__}: {exc}"

@@ -34,17 +34,22 @@ CASES = {
 
 
 async def _run(tmp_path, model, data, kw):
-    """2 steps, state_dict (applies the pending delayed steps, reading the SSD parts), 2 more."""
+    """1 step and 1 more (layer 0's waiting gradient kept in between), state_dict (applies
+    the pending delayed steps, reading the SSD parts), 2 more."""
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu", schedule="vertical", **kw)
     async with SnakeTrainer(model, data=data, config=cfg) as t:
-        await asyncio.wait_for(t.run(2), 120)
+        await asyncio.wait_for(t.run(1), 120)
+        await asyncio.wait_for(t.run(1), 120)
         traffic = t.traffic()
         e = t.engine
-        tails = sum(e.stores["grad"].tail_bytes(u) for u in e.stores["grad"].units.values())
+        # layer 0's delayed step follows its now-step: its SSD part waits in a staging buffer
+        tails = sum(e.stores["grad"].tail_bytes(u) for u in e.stores["grad"].units.values() if u.key[0] != 0)
+        assert e.plans.grad_stays(0) and not any(e.plans.grad_stays(layer) for layer in range(1, e.N))
+        stays = e.stores["grad"].tail_bytes(e.stores["grad"].unit((0, 1)))
         cpu = e.stores["grad"].cpu_bytes()
         await t.state_dict()
         report = await asyncio.wait_for(t.run(2), 120)
-        return await t.state_dict(), report, traffic, tails, cpu
+        return await t.state_dict(), report, traffic, tails, cpu, stays
 
 
 @pytest.mark.asyncio
@@ -53,9 +58,9 @@ async def test_gradients_on_ssd_give_the_weights_of_gradients_in_memory(tmp_path
     kw = CASES[case]
     model = tiny_gpt(n_layer=3, bias=False)
     data = batches(4, 4)
-    got, report, traffic, tails, cpu = await _run(tmp_path / "ssd", model, data, kw)
+    got, report, traffic, tails, cpu, stays = await _run(tmp_path / "ssd", model, data, kw)
     in_memory = {**kw, "placement": dataclasses.replace(kw["placement"], grad=1.0)}
-    want, want_report, want_traffic, want_tails, want_cpu = await _run(tmp_path / "cpu", model, data, in_memory)
+    want, want_report, want_traffic, want_tails, want_cpu, _ = await _run(tmp_path / "cpu", model, data, in_memory)
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert [s.loss for s in report.steps] == [s.loss for s in want_report.steps]
@@ -64,7 +69,7 @@ async def test_gradients_on_ssd_give_the_weights_of_gradients_in_memory(tmp_path
     assert tails > 0 and want_tails == 0
     assert traffic[("cpu", "ssd", "grad")] == tails == traffic[("ssd", "cpu", "grad")]
     assert ("cpu", "ssd", "grad") not in want_traffic
-    assert cpu + tails == want_cpu  # the same gradient elements outside the stale params, split
+    assert cpu + tails + stays == want_cpu  # the same gradient elements outside the stale params, split
     if case == "fp32-all-ssd":
         assert_close_state(got, reference(model, data, 2)[0])
 

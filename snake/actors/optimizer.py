@@ -29,7 +29,7 @@ import itertools
 import torch
 
 from snake.actors.base import Actor
-from snake.buffers import HostBuffer
+from snake.buffers import BufferPool, HostBuffer
 from snake.channels import Mailbox, StageClock
 from snake.clip import scale
 from snake.engine import Engine
@@ -72,6 +72,7 @@ class OptimizerWorker(Actor):
         n = n_now + n_del
         host: torch.Tensor | None = None
         gtail: HostBuffer | None = None
+        gpool: BufferPool[HostBuffer] | None = None
         otail = ptail = kept = None
         grads: torch.Tensor | list[torch.Tensor]
         coef: torch.Tensor | None = None
@@ -97,8 +98,12 @@ class OptimizerWorker(Actor):
             full = None
             grads = e.delayed_grads[op.layer] if e.vertical else e.accumulators[op.layer][n_now:n]
             gu = e.delayed_tail(op.layer)
-            if gu is not None:  # the gradient's SSD part, staged by ssd_read
+            if gu is not None and op.layer in e.held_grads:  # kept in its staging buffer
+                gtail, gpool = e.held_grads.pop(op.layer), e.pools["grad_out"]
+            elif gu is not None:  # the gradient's SSD part, staged by ssd_read
                 gtail = (await self.inbox.take(("tail", "grad", (op.layer, DELAYED), op.t, op.kind))).buf
+                gpool = e.pools["grad_in"]
+            if gtail is not None:
                 grads = [*grads, e.stores["grad"].tail(gu, gtail)[0]]
             skipped = e.delayed_skips.pop(op.layer, ())
             if skip:
@@ -131,7 +136,8 @@ class OptimizerWorker(Actor):
                 raise
         finally:  # the gradient's buffers, read now (or the step failed)
             self._release(host)
-            self._release_grad_tail(gtail)
+            if gtail is not None and gpool is not None:
+                gpool.release(gtail)
         await self._store(op, ou, otail, "opt")
         await self._store(op, pu, ptail, "param")
         await self._write_kept(op, kept)
@@ -174,16 +180,14 @@ class OptimizerWorker(Actor):
         if kept is None:
             return
         e = self.e
+        if e.plans.grad_stays(op.layer):  # its delayed step comes next: no SSD round trip
+            e.held_grads[op.layer] = kept
+            return
         u = e.delayed_tail(op.layer)
         pool = e.pools["grad_out"]
         assert u is not None and pool is not None
         await self.ssd_write.put(WriteTail(op.t, e.stores["grad"], u, kept, pool, ("grad", op.layer, DELAYED), op.t + 1))
 
-    def _release_grad_tail(self, buf: HostBuffer | None) -> None:
-        """The staging buffer a delayed gradient's SSD part was read into."""
-        pool = self.e.pools.get("grad_in")
-        if buf is not None and pool is not None:
-            pool.release(buf)
 
     def _release(self, host: torch.Tensor | None) -> None:
         """The host buffer a now-step's gradient came in, or on a CPU device the slot itself."""
@@ -287,10 +291,12 @@ def flush_delayed(e: Engine) -> None:
         grads = e.delayed_grads[layer] if e.vertical else e.accumulators[layer][n_now : n_now + n_del]
         ou, pu = ostore.unit((layer, 1)), pstore.unit((layer, 1))
         gu = e.delayed_tail(layer)
-        if gu is not None:  # the gradient's SSD part
+        if gu is not None:  # the gradient's SSD part, kept in its staging buffer or on SSD
             assert gstore is not None and gbuf is not None
-            gstore.read_tail(gu, gbuf)
-            grads = [*grads, gstore.tail(gu, gbuf)[0]]
+            held = e.held_grads.get(layer)  # released by the caller once every layer is stepped
+            if held is None:
+                gstore.read_tail(gu, gbuf)
+            grads = [*grads, gstore.tail(gu, gbuf if held is None else held)[0]]
         if ou.tail_n:
             ostore.read_tail(ou, obuf)
         e.flush_partial = True  # from here the CPU copies change in place
