@@ -103,7 +103,7 @@ class OptimizerWorker(Actor):
             elif gu is not None:  # the gradient's SSD part, staged by ssd_read
                 gtail = (await self.inbox.take(("tail", "grad", (op.layer, DELAYED), op.t, op.kind))).buf
                 gpool = e.pools["grad_in"]
-            if gtail is not None:
+            if gu is not None and gtail is not None:
                 grads = [*grads, e.stores["grad"].tail(gu, gtail)[0]]
             skipped = e.delayed_skips.pop(op.layer, ())
             if skip:
