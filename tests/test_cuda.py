@@ -13,6 +13,8 @@ PLACEMENTS = {
     "all-ssd": (Placement(param=0.0, ckpt=0.0, opt=0.0), 0.0),
     "all-cpu": (Placement(param=1.0, ckpt=1.0, opt=1.0), 0.5),
     "all-delayed": (Placement(param=0.5, ckpt=0.5, opt=0.5), 1.0),  # no now-step elements
+    # the waiting gradients beyond the stale params on SSD, through pinned staging buffers
+    "grads-on-ssd": (Placement(param=0.5, ckpt=0.5, opt=0.5, grad=0.0), 1.0),
 }
 
 
