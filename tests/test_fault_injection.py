@@ -19,8 +19,9 @@ ACTORS = ["data", "compute", "h2d", "d2h", "ssd_read", "ssd_write", "optimizer[0
 
 
 def _cfg(path, **kw):
-    base = dict(micro_batches=2, offload_dir=path, placement=Placement(param=0.3, ckpt=0.3, opt=0.3), alpha=0.3,
-                device="cpu", stall_timeout_s=1.0)
+    # every kind partly on SSD, the waiting gradients too (beyond the stale params' 0.3)
+    base = dict(micro_batches=2, offload_dir=path, placement=Placement(param=0.3, ckpt=0.3, opt=0.3, grad=0.0),
+                alpha=0.3, device="cpu", stall_timeout_s=1.0)
     base.update(kw)
     return SnakeConfig(**base)
 
@@ -73,6 +74,8 @@ async def _fails(tmp_path, setup, actor, cause, match=None):
         ("ckpt", StorageFaults(seed=3, write_error=1.0), "ssd_write", "Input/output error"),
         ("opt", StorageFaults(seed=4, no_space=1.0), "ssd_write", "disk is full"),
         ("param", StorageFaults(seed=5, flip=1.0), "ssd_read", "checksum mismatch"),
+        ("grad", StorageFaults(seed=6, no_space=1.0), "ssd_write", "disk is full"),
+        ("grad", StorageFaults(seed=7, read_error=1.0), "ssd_read", "Input/output error"),
     ],
 )
 async def test_storage_faults_fail_cleanly(tmp_path, kind, faults, actor, match):
