@@ -315,12 +315,14 @@ class SnakeTrainer:
         assert e is not None
         try:
             await run_blocking(e.executors["io"], flush_delayed, e)
-            e.release_held_grads()
         except BaseException as exc:
             if e.flush_partial:  # some layers stepped, some not
                 self._broken = f"{what} failed applying the delayed optimizer steps: {type(exc).__name__}: {exc}"
                 await self._shutdown()
             raise
+        finally:  # the steps they waited for are applied (also where a cancellation came after)
+            if not e.plans.has_delayed(e.next_t, e.first_delayed):
+                e.release_held_grads()
 
     def _check_usable(self) -> None:
         if self._broken is not None:

@@ -193,3 +193,43 @@ async def test_the_disk_check_counts_the_gradients_ssd_tier(tmp_path, monkeypatc
                     await asyncio.wait_for(t.run(1), 60)
                 assert not list(off.glob("*.bin"))
                 assert grads > 0 and "placement shares" in str(err.value)
+
+
+@pytest.mark.asyncio
+async def test_a_state_dict_cancelled_during_its_flush_returns_the_kept_buffer(tmp_path, monkeypatch):
+    """A cancelled state_dict waits for the flush it started; the flush applied the steps
+    layer 0's kept gradient waited for, so its staging buffer goes back to the pool. With
+    one worker that pool has one buffer: kept, the next run would wait for it forever."""
+    import threading
+
+    import snake.trainer
+
+    model = tiny_gpt(n_layer=3, bias=False)
+    data = batches(3, 4)
+    kw = dict(micro_batches=2, placement=Placement.all_ssd(), alpha=1.0, device="cpu", optimizer_workers=1,
+              io_threads=1, stall_timeout_s=20, optimizer=AdamW(max_grad_norm=CLIPS))
+    async with SnakeTrainer(model, data=data, config=SnakeConfig(offload_dir=tmp_path / "a", **kw)) as t:
+        await asyncio.wait_for(t.run(3), 120)
+        want = await t.state_dict()
+    real = snake.trainer.flush_delayed
+    loop, started = asyncio.get_running_loop(), asyncio.Event()
+
+    def slow_flush(e):
+        loop.call_soon_threadsafe(started.set)
+        threading.Event().wait(0.3)
+        real(e)
+
+    monkeypatch.setattr(snake.trainer, "flush_delayed", slow_flush)
+    async with SnakeTrainer(model, data=data, config=SnakeConfig(offload_dir=tmp_path / "b", **kw)) as t:
+        await asyncio.wait_for(t.run(1), 120)
+        assert 0 in t.engine.held_grads
+        task = asyncio.create_task(t.state_dict())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not t.engine.held_grads
+        await asyncio.wait_for(t.run(2), 120)
+        got = await t.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
