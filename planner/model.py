@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snake.memory import OPT_BYTES_PER_ELEM
+from snake.memory import OPT_BYTES_PER_ELEM, grad_share_in_effect
 
 KINDS = ("param", "ckpt", "opt", "grad")  # grad: the delayed gradients (vertical, alpha > 0)
 GRAD_BYTES_PER_ELEM = 4  # fp32 gradients
@@ -222,8 +222,8 @@ def shares(placement, shape, alpha: float, schedule: str) -> tuple[float, float,
     least what the CPU-resident delayed parameters' memory holds (`LinearMemory.shares`)."""
     if not (schedule == "vertical" and alpha > 0):  # no gradient waits outside an accumulator
         return (placement.param, placement.ckpt, placement.opt, 1.0)
-    room = shape.dtype_bytes / 4
-    return (placement.param, placement.ckpt, placement.opt, max(placement.grad, min(1.0, room * placement.param)))
+    grad = grad_share_in_effect(placement.grad, placement.param, shape.dtype_bytes / 4)
+    return (placement.param, placement.ckpt, placement.opt, grad)
 
 
 def layer_seconds(phases: tuple[Phase, ...], x: tuple[float, ...]) -> float:

@@ -134,6 +134,12 @@ class PoolSizes:
         return max(workers + self.opt_tails_extra, 3 if delayed else 0)
 
 
+def grad_share_in_effect(grad: float, param: float, room: float) -> float:
+    """The waiting gradients' CPU share the runtime keeps: at least what the stale delayed
+    parameters' memory holds (`room` of them per unit of param share), which costs nothing."""
+    return max(grad, min(1.0, room * param))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinearMemory:
     """fixed_bytes + sum(per_share[k] x share_k) over the kinds (param, ckpt, opt, grad).
@@ -149,7 +155,7 @@ class LinearMemory:
     grad_room: float = 0.0
 
     def shares(self, param: float, ckpt: float, opt: float, grad: float = 1.0) -> dict[str, float]:
-        return {"param": param, "ckpt": ckpt, "opt": opt, "grad": max(grad, min(1.0, self.grad_room * param))}
+        return {"param": param, "ckpt": ckpt, "opt": opt, "grad": grad_share_in_effect(grad, param, self.grad_room)}
 
     def at(self, param: float, ckpt: float, opt: float, grad: float = 1.0) -> float:
         s = self.shares(param, ckpt, opt, grad)
