@@ -62,7 +62,8 @@ __all__ = ["describe_hf", "export_hf", "load_hf"]
 # block shared by several layers), models that carry more than the hidden state from layer
 # to layer (hyper-connections: DeepSeek V4, HY-V4, Qwen4Exp; Zaya; Inkling 2) or run the same
 # layers in a loop (Dory, Inkling 2 Loop), token ids fed to every layer (Gemma 3n; Gemma 4's
-# per-layer inputs)
+# per-layer inputs, `_refuse_what_layers_cannot_carry`, as its layers reusing an earlier
+# layer's keys and values)
 _LLAMA_FAMILY = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GemmaForCausalLM",
@@ -98,6 +99,9 @@ _LLAMA_FAMILY = (
     "AriaTextForCausalLM", "BailingHybridForCausalLM", "BitNetForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM",
     "FlintForCausalLM", "HYV3ForCausalLM", "CohereCompassForCausalLM", "GraniteMoeSharedForCausalLM",
     "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "BeamForCausalLM",
+    # Gemma 4 without per-layer inputs or shared keys and values (dense and with experts; keys
+    # as values on full-attention layers), each layer scaled by its own `layer_scalar` buffer
+    "Gemma4ForCausalLM",
     # sparse attention whose indexer reads the causal mask to pick each query's keys
     # (`_FULL_MASK`; "indexed_attention"): DeepSeek V3.2, GLM's `GlmMoeDsa`, AXK2, dots3
     # note; the indexer runs under no_grad, so its weights stay as they are, as in PyTorch;
@@ -452,6 +456,7 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
     by_layer = _rotary_by_layer(model) if name in _ROTARY_BY_LAYER else None
     nope_scaling = _nope_scaling(model) if name == "BeamForCausalLM" else None
     outside = _Outside(model, name)
+    gemma4 = name == "Gemma4ForCausalLM"
 
     def pre(m: Any, idx: torch.Tensor) -> torch.Tensor:
         return outside.pre(m, idx)
@@ -490,6 +495,8 @@ def _llama_parts(model: nn.Module, name: str) -> ModelParts:
             kwargs["position_embeddings"] = pe if kinds[layer] in rotary_only else None
         elif pe is not None:
             kwargs["position_embeddings"] = pe
+        if gemma4:  # where its attention leaves its keys and values for layers that reuse them (none here)
+            kwargs["shared_kv_states"] = {}
         return _hidden(block(h, **kwargs))
 
     return ModelParts(
@@ -590,10 +597,24 @@ def _refuse_what_layers_cannot_carry(model: nn.Module) -> None:
             "forward adds to the language-model loss (Bamba's z-loss on the logits), which snake "
             "does not compute: set model.config.z_loss_coefficient = 0.0"
         )
-    if getattr(config, "use_bidirectional_attention", False):
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":  # Gemma 4's "vision": only among image tokens
         raise ModelError(
-            f"model: {name} has use_bidirectional_attention=True; snake trains causal language "
+            f"model: {name} has use_bidirectional_attention={bidirectional!r}; snake trains causal language "
             "models: set it to False"
+        )
+    if getattr(config, "hidden_size_per_layer_input", 0):
+        raise ModelError(
+            f"model: {name} has per-layer inputs (hidden_size_per_layer_input="
+            f"{config.hidden_size_per_layer_input}: an embedding of the token ids fed to every layer, as "
+            "Gemma4TextConfig's default, gemma-4-e2b's configuration, has); snake carries the hidden state alone from layer to layer and "
+            "cannot train it (a Gemma 4 configuration with hidden_size_per_layer_input=0 it can)"
+        )
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise ModelError(
+            f"model: {name} has num_kv_shared_layers={config.num_kv_shared_layers}: its last layers reuse the "
+            "keys and values of an earlier layer, which snake's layer-by-layer stream does not carry; it "
+            "cannot train it"
         )
 
 

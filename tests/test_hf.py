@@ -58,6 +58,11 @@ GMUL = {"embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier
 SWA3 = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}
 ROPE_PER_TYPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+# Gemma 4 without per-layer inputs (its configuration's default has them): sliding and full
+# attention layers of two shapes (the full ones' wider heads; with attention_k_eq_v their
+# keys as values, no value projection)
+GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 0, "sliding_window": 4,
+          "layer_types": ["full_attention", "sliding_attention", "full_attention"], "final_logit_softcapping": 5.0}
 FAMILY: dict[str, tuple[str, str, dict]] = {
     "llama": ("Llama", "Llama", {}), "qwen2": ("Qwen2", "Qwen2", {}), "mistral": ("Mistral", "Mistral", {}),
     "qwen3": ("Qwen3", "Qwen3", {}), "phi3": ("Phi3", "Phi3", {}), "olmo": ("Olmo", "Olmo", {}),
@@ -65,6 +70,10 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
     "starcoder2": ("Starcoder2", "Starcoder2", {}), "gemma": ("Gemma", "Gemma", {}),
     "gemma2": ("Gemma2", "Gemma2", {"sliding_window": 4, "final_logit_softcapping": 5.0}),
     "gemma3": ("Gemma3Text", "Gemma3", {**MIXED, "final_logit_softcapping": 5.0}),
+    "gemma4": ("Gemma4Text", "Gemma4", GEMMA4),
+    "gemma4kv": ("Gemma4Text", "Gemma4", {**GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1}),
+    "gemma4moe": ("Gemma4Text", "Gemma4", {**GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                           "moe_intermediate_size": 32, "tie_word_embeddings": False}),
     "mixtral": ("Mixtral", "Mixtral", {"sliding_window": 4, "num_local_experts": 4}),
     "qwen2moe": ("Qwen2Moe", "Qwen2Moe", {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 3,
                                           **SMALL_MOE, "shared_expert_intermediate_size": 32}),
@@ -274,7 +283,7 @@ MORE = [k for k in FAMILY if k not in ("llama", "qwen2", "mistral")]
 EAGER_ONLY = ("gemma2", "gptoss", "vaultgemma", "mimov2flash", "recurrentgemma", "mamba", "falconmamba", "mamba2",
               "flint", "graniteswa", "granitemoeswa")
 # models whose attention the options above window (sequences of 16 are longer)
-WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "mixtral", "qwen2moe", "qwen3moe", "ministral", "doge",
+WINDOWED = ["mistral", "phi3", "starcoder2", "gemma2", "gemma3", "gemma4", "mixtral", "qwen2moe", "qwen3moe", "ministral", "doge",
             "phimoe", "ministral3"]
 
 
@@ -623,6 +632,41 @@ async def test_routing_biases_that_differ_per_layer_train_as_each_layers(tmp_pat
                            got["model.layers.2.mlp.gate.e_score_correction_bias"])
 
 
+@pytest.mark.asyncio
+async def test_gemma4_scales_each_layer_by_its_own_scalar(tmp_path):
+    """Gemma 4 multiplies each layer's output by its `layer_scalar` (a buffer, another in
+    every trained layer; the test models' are all 1): each layer's own is used, forward
+    and in training."""
+    model = make("gemma4moe")
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.4 * i)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(parts_logits(describe(model.eval()), idx), model(idx).logits, rtol=0, atol=1e-5)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(model, data, 2)
+    assert_matches(await train_snake(model, data, tmp_path), want)
+
+
+def test_gemma4_with_per_layer_inputs_or_shared_keys_is_refused():
+    """Gemma 4's small configurations feed an embedding of the token ids to every layer
+    (`hidden_size_per_layer_input`, on by default) and let their last layers reuse an earlier
+    layer's keys and values (`num_kv_shared_layers`): more than the hidden state passes
+    between layers, which snake's stream does not carry. Each is refused by name; the
+    bidirectional attention among image tokens ("vision") leaves text causal and trains."""
+    with pytest.raises(ModelError, match=r"per-layer inputs \(hidden_size_per_layer_input=8: .*cannot train it"):
+        describe(make("gemma4", hidden_size_per_layer_input=8))
+    with pytest.raises(ModelError, match=r"num_kv_shared_layers=1: its last layers reuse the keys and values"):
+        describe(make("gemma4", num_kv_shared_layers=1))
+    with pytest.raises(ModelError, match=r"use_bidirectional_attention='all'"):
+        describe(make("gemma4", use_bidirectional_attention="all"))
+    model = make("gemma4", use_bidirectional_attention="vision").eval()
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(parts_logits(describe(model), idx), model(idx).logits, rtol=0, atol=1e-5)
+
+
 def test_llama4_chunked_attention_is_masked():
     """Llama 4's chunked layers attend within chunks of attention_chunk_size tokens (8 here,
     sequences of 16): the chunk changes the logits, and snake's parts give them."""
@@ -786,7 +830,7 @@ async def test_gpt2_tied_weights_keep_state_dict_keys(tmp_path):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "deepseekv3", "llama4"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "deepseekv3", "llama4", "gemma4"])
 async def test_export_then_from_pretrained_gives_same_logits(tmp_path, kind):
     model = make(kind)
     state = await train_snake(model, batches(2, 4, seq=16, vocab=VOCAB), tmp_path, steps=2)
@@ -876,7 +920,7 @@ async def test_bf16_model_keeps_its_fp32_router_as_transformers_builds_it(tmp_pa
 # untied families of each kind of layer this round added (recurrent, latent attention,
 # older layouts): a bf16 run against plain PyTorch mixed precision
 BF16_KINDS = ["bamba", "falconh1", "nemotronh", "minimax", "qwen35moe", "longcat", "neox", "gptj", "codegen", "dbrx",
-              "solaropen", "dsv32", "dots3", "inkling"]
+              "solaropen", "dsv32", "dots3", "inkling", "gemma4moe"]
 
 
 @pytest.mark.asyncio

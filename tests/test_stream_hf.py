@@ -43,8 +43,9 @@ async def train(model, data, tmp_path, steps=3):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind,kw,shard", [
     ("llama", {}, "20KB"), ("llama", {"tie_word_embeddings": True}, None), ("gpt2", {}, None), ("qwen3", {}, "30KB"),
-    ("mixtral", {}, "30KB"), ("deepseekv3", {}, None), ("neox", {}, None),
-], ids=["llama-sharded", "llama-tied", "gpt2", "qwen3-sharded", "mixtral-sharded", "deepseekv3", "neox"])
+    ("mixtral", {}, "30KB"), ("deepseekv3", {}, None), ("neox", {}, None), ("gemma4moe", {}, "30KB"),
+], ids=["llama-sharded", "llama-tied", "gpt2", "qwen3-sharded", "mixtral-sharded", "deepseekv3", "neox",
+        "gemma4moe-sharded"])
 async def test_streamed_layers_train_as_plain_pytorch_and_stay_on_disk(tmp_path, kind, kw, shard):
     model, path = saved(kind, tmp_path, shard, **kw)
     streamed = stream_hf(path)
