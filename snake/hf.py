@@ -921,7 +921,7 @@ _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _STORED = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
-def _load_dtype(dtype: torch.dtype | str, config: Any, where: Mapping[str, Path]) -> torch.dtype:
+def _load_dtype(dtype: torch.dtype | str, config: Any, where: Mapping[str, _Stored]) -> torch.dtype:
     """The dtype `stream_hf` builds in: `dtype`, or for "auto" the config's, else that of the
     first floating-point tensor stored (as `from_pretrained(dtype="auto")`)."""
     from safetensors import safe_open
@@ -930,9 +930,9 @@ def _load_dtype(dtype: torch.dtype | str, config: Any, where: Mapping[str, Path]
     if chosen == "auto":
         chosen = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if chosen is None:
-            for key, file in where.items():
-                with safe_open(str(file), framework="pt") as f:
-                    chosen = _STORED.get(f.get_slice(key).get_dtype())
+            for at in where.values():
+                with safe_open(str(at.file), framework="pt") as f:
+                    chosen = _STORED.get(f.get_slice(at.key).get_dtype())
                 if chosen is not None:
                     break
             chosen = chosen or torch.float32
@@ -955,7 +955,7 @@ class _LayerSource:
     the model's meta ones back. Made by `stream_hf`, which it loads everything outside the
     layers, and the layers' buffers, into."""
 
-    def __init__(self, model: Any, parts: ModelParts, where: Mapping[str, Path], dtype: torch.dtype,
+    def __init__(self, model: Any, parts: ModelParts, where: Mapping[str, _Stored], dtype: torch.dtype,
                  directory: Path) -> None:
         self.model, self.where, self.directory = model, where, directory
         self.prefix = parts.blocks_prefix + "."
@@ -985,7 +985,7 @@ class _LayerSource:
         self.load: Callable[[list[str]], Any] | None = None
         if self.direct:
             self._check_shapes({k: t for k, t in state.items() if k in where})
-            eager = {k: _read(where[k], k, t.dtype if t.is_floating_point() else None)
+            eager = {k: _read(where[k], t.dtype if t.is_floating_point() else None)
                      for k, t in state.items() if k not in self.lazy and k in where}
             model.load_state_dict(eager, strict=False, assign=True)
             return
@@ -997,7 +997,7 @@ class _LayerSource:
             if not buffers:
                 continue
             if all(k[len(head):] in self.stored[i] for k in buffers):
-                model.load_state_dict({k: _read(where[self.stored[i][k[len(head):]]], self.stored[i][k[len(head):]],
+                model.load_state_dict({k: _read(where[self.stored[i][k[len(head):]]],
                                                 state[k].dtype if state[k].is_floating_point() else None)
                                        for k in buffers}, strict=False, assign=True)
             else:
@@ -1013,11 +1013,11 @@ class _LayerSource:
 
         by_file: dict[Path, list[str]] = {}
         for k in state:
-            by_file.setdefault(self.where[k], []).append(k)
+            by_file.setdefault(self.where[k].file, []).append(k)
         for file, keys in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for k in keys:
-                    stored = tuple(f.get_slice(k).get_shape())
+                    stored = tuple(f.get_slice(self.where[k].key).get_shape())
                     if stored != tuple(state[k].shape):
                         raise ModelError(
                             f"stream_hf: the checkpoint's {k!r} has shape {stored}, the model its config.json "
@@ -1076,7 +1076,7 @@ class _LayerSource:
                 if here != there:
                     raise ModelError(
                         f"stream_hf: the checkpoint's {self.stored[i][name]!r} has shape {here}, layer {first}'s "
-                        f"{there} ({str(self.where[self.stored[i][name]])!r}); layers of one kind store one shape: "
+                        f"{there} ({str(self.where[self.stored[i][name]].file)!r}); layers of one kind store one shape: "
                         "the file is damaged or from another model"
                     )
 
@@ -1091,7 +1091,7 @@ class _LayerReader(Mapping[str, torch.Tensor]):
         key = self.head + name
         if key not in self.source.lazy:
             raise KeyError(name)
-        return _read(self.source.where[key], key, self.source.dtypes[key])
+        return _read(self.source.where[key], self.source.dtypes[key])
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.head + name in self.source.lazy
@@ -1103,7 +1103,7 @@ class _LayerReader(Mapping[str, torch.Tensor]):
         return sum(1 for _ in self)
 
 
-def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Callable[[list[str]], Any]:
+def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, _Stored]) -> Callable[[list[str]], Any]:
     """keys -> load those stored tensors into `model` through transformers' conversion of
     its weights (renames, fused experts), as `from_pretrained` does; ModelError for shapes
     that do not match or a conversion that fails."""
@@ -1119,7 +1119,7 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Cal
 
     def load(keys: list[str]) -> None:
         files = {}
-        for file in {where[k] for k in keys}:
+        for file in {where[k].file for k in keys}:
             try:
                 files[file] = safe_open(str(file), framework="pt")
             except (SafetensorError, OSError) as e:
@@ -1128,7 +1128,8 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Cal
         hf_logging.disable_progress_bar()  # one bar per layer read would flood a training log
         try:
             info, _ = convert_and_load_state_dict_in_model(
-                model=model, state_dict={k: files[where[k]].get_slice(k) for k in keys}, load_config=config,
+                model=model, state_dict={k: files[where[k].file].get_slice(where[k].key) for k in keys},
+                load_config=config,
             )
         finally:
             if bar:
@@ -1152,14 +1153,14 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, Path]) -> Cal
     return load
 
 
-def _read(file: Path, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+def _read(at: _Stored, dtype: torch.dtype | None) -> torch.Tensor:
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(file), framework="pt") as f:
-            t = f.get_tensor(key)
+        with safe_open(str(at.file), framework="pt") as f:
+            t = f.get_tensor(at.key)
     except (SafetensorError, OSError) as e:
-        raise _gone(file, e) from None
+        raise _gone(at.file, e) from None
     return t.to(dtype) if dtype is not None and t.dtype != dtype else t
 
 
@@ -1171,21 +1172,29 @@ def _gone(file: Path, e: BaseException) -> ModelError:
     )
 
 
-def _stored_shapes(where: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
+def _stored_shapes(where: Mapping[str, _Stored]) -> dict[str, tuple[int, ...]]:
     """Each stored tensor's shape, from the files' headers."""
     from safetensors import safe_open
 
     out: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}
-    for k, f in where.items():
-        by_file.setdefault(f, []).append(k)
+    for k, at in where.items():
+        by_file.setdefault(at.file, []).append(k)
     for file, keys in by_file.items():
         with safe_open(str(file), framework="pt") as f:
-            out.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+            out.update({k: tuple(f.get_slice(where[k].key).get_shape()) for k in keys})
     return out
 
 
-def _safetensors_keys(directory: Path) -> dict[str, Path]:
+class _Stored(NamedTuple):
+    """Where a tensor of the model is stored: its file and its name there (another than the
+    model's for the text part of an image-text checkpoint, `_TEXT_PART`)."""
+
+    file: Path
+    key: str
+
+
+def _safetensors_keys(directory: Path) -> dict[str, _Stored]:
     """Every tensor name in a local model directory's safetensors weights -> its file
     (`model.safetensors`, or the shards `model.safetensors.index.json` maps), each file's
     header read (ModelError for a missing, damaged or incomplete shard: before training, not
@@ -1208,7 +1217,7 @@ def _safetensors_keys(directory: Path) -> dict[str, Path]:
         if not files:
             raise ModelError(f"stream_hf: {str(directory)!r} has no *.safetensors weights")
         listed = {f: set() for f in files}
-    out: dict[str, Path] = {}
+    out: dict[str, _Stored] = {}
     for file, keys in listed.items():
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -1220,7 +1229,7 @@ def _safetensors_keys(directory: Path) -> dict[str, Path]:
                 f"stream_hf: {str(file)!r} has no {min(keys - have)!r}, which the index puts there; copy or "
                 "save the model again"
             )
-        out.update(dict.fromkeys(keys or have, file))
+        out.update({k: _Stored(file, k) for k in keys or have})
     return out
 
 
