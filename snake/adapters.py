@@ -93,8 +93,11 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
             fix = ("pass snake.ModelParts(model, blocks=..., blocks_prefix=..., pre=..., post=...) "
                    "describing its embedding (pre), its layers (blocks) and its head (post)")
             if type(model).__module__.startswith("transformers."):
-                from snake.hf import supported
+                from snake.hf import supported, text_part_hint
 
+                hint = text_part_hint(model)
+                if hint is not None:
+                    raise ModelError(hint)
                 raise ModelError(
                     f"model: snake does not know how the layers of {type(model).__name__} compose "
                     f"(it recognises {supported()}); {fix}"

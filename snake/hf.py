@@ -791,6 +791,79 @@ def load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
     return _load_hf(path_or_config, **kwargs)
 
 
+# image-text checkpoints whose language model is one of snake's families but which
+# AutoModelForCausalLM loads whole, vision tower and all (Gemma 3, Gemma 4): `load_hf` and
+# `stream_hf` load their text part as that family's causal LM, its tensors renamed so
+# (transformers 5 stores the language model under `model.language_model.`, 4.x under
+# `language_model.model.`); the other towers' tensors stay in the files
+_TEXT_PART = {
+    r"^model\.language_model\.": "model.",
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+}
+_TEXT_NAMES = "model.language_model.* (or transformers 4's language_model.model.*)"
+
+
+def _causal_name(config: Any) -> str | None:
+    """The name of AutoModelForCausalLM's class for `config`, None where it has none."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return getattr(cls, "__name__", None)
+
+
+def text_part(config: Any) -> Any | None:
+    """The text config of an image-text model's `config` whose language model snake trains
+    but whose own causal LM class (AutoModelForCausalLM's) it does not, else None."""
+    known = {"GPT2LMHeadModel", *_LLAMA_FAMILY, *_MAMBA, *_OLD}
+    if config is None or _causal_name(config) in known:
+        return None
+    text = getattr(config, "text_config", None)
+    if text is None or text is config or _causal_name(text) not in known:
+        return None
+    text = copy.deepcopy(text)
+    # the whole model ties its head to the embedding as its own config says, whatever the
+    # text config's says: so does its text part
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text
+
+
+def text_part_hint(model: nn.Module) -> str | None:
+    """What to do with an image-text model whose language model snake trains, None for any
+    other model."""
+    text = text_part(getattr(model, "config", None))
+    if text is None:
+        return None
+    return (
+        f"model: {type(model).__name__} is an image-text model; snake trains its language model "
+        f"({_causal_name(text)}): load the checkpoint's directory with snake.hf.load_hf(dir) or "
+        "snake.hf.stream_hf(dir), which give that part alone (the other towers stay in the files)"
+    )
+
+
+def _text_tensors(where: Mapping[str, _Stored], directory: Path) -> dict[str, _Stored]:
+    """An image-text checkpoint's language-model tensors under the text model's names
+    (`_TEXT_PART`); its other towers' are left out."""
+    out: dict[str, _Stored] = {}
+    for key, at in where.items():
+        for pattern, to in _TEXT_PART.items():
+            name, n = re.subn(pattern, to, key)
+            if n:
+                out[name] = at
+                break
+        else:
+            if key.startswith("lm_head."):
+                out[key] = at
+    if not any(name.startswith("model.") for name in out):
+        raise ModelError(
+            f"stream_hf: {str(directory)!r} is an image-text checkpoint whose config names a language model, "
+            f"but its weights hold none under {_TEXT_NAMES}; save the model again with transformers"
+        )
+    return out
+
+
 def causal_lm_class(config: Any) -> Any:
     """The causal LM class for a transformers config: AutoModelForCausalLM's, or for a
     family transformers does not register there (Mistral 4) the class of snake's families
@@ -814,6 +887,7 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     if isinstance(path_or_config, PretrainedConfig):
+        path_or_config = text_part(path_or_config) or path_or_config  # an image-text model: its text part
         cls = causal_lm_class(path_or_config)
         if cls is AutoModelForCausalLM:
             return AutoModelForCausalLM.from_config(path_or_config, **kwargs)
@@ -836,6 +910,19 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
             )
         config = AutoConfig.from_pretrained(str(path), local_files_only=kwargs["local_files_only"],
                                             subfolder=kwargs.get("subfolder", ""))
+        text = text_part(config)
+        if text is not None:  # an image-text checkpoint: its language model, the tensors renamed
+            cls = causal_lm_class(text)
+            model, info = cls.from_pretrained(str(path), **{"key_mapping": _TEXT_PART, **kwargs, "config": text},
+                                              output_loading_info=True)
+            if info["missing_keys"]:  # stored under names `_TEXT_PART` does not know: fresh weights instead
+                raise ModelError(
+                    f"load_hf: {str(path)!r} is an image-text checkpoint; snake loads its language model, but "
+                    f"found no {min(info['missing_keys'])!r} ({len(info['missing_keys'])} tensors missing) stored "
+                    f"as {_TEXT_NAMES}; save the model again with transformers"
+                )
+            _freeze_as_built(model, cls, text)
+            return model
         cls = causal_lm_class(config)
         model = cls.from_pretrained(str(path), **kwargs)
         _freeze_as_built(model, cls, config)
@@ -882,8 +969,12 @@ def stream_hf(
             f"stream_hf: cannot read {str(directory / 'config.json')!r} as a transformers config "
             f"({str(e).strip().splitlines()[0][:300]}); it must name a model_type transformers knows"
         ) from None
-    cls = causal_lm_class(config)
     chosen = _load_dtype(dtype, config, where)
+    text = text_part(config)
+    if text is not None:  # an image-text checkpoint: its language model, the tensors renamed
+        where = _text_tensors(where, directory)
+        config = text
+    cls = causal_lm_class(config)
     impls = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
     for impl in impls:
         try:
