@@ -1,5 +1,5 @@
 """The language model of an image-text checkpoint (Gemma 3, Gemma 4: AutoModelForCausalLM
-loads them whole, vision tower and all): `load_hf` and `stream_hf` give its text part as
+loads them whole, vision tower and all; Mistral 3: it has no causal LM for them): `load_hf` and `stream_hf` give its text part as
 that family's causal LM, with the checkpoint's weights, stored as transformers 5 saves them
 (`model.language_model.*`) or as 4.x did (`language_model.model.*`). On text it computes the
 whole model's logits, trains as plain PyTorch, and exports as a text checkpoint.
@@ -24,7 +24,8 @@ from tests.test_hf import GEMMA4, LLAMA_KW, MIXED, VOCAB, assert_matches, refere
 # (Gemma 3's image-text class does not soft-cap its logits where its text class does: its
 # test model sets no cap, as Gemma 3's configurations do not; Gemma 4's caps in both)
 TEXT = {"gemma3": {**LLAMA_KW, **MIXED, "head_dim": 16, "final_logit_softcapping": None},
-        "gemma4": {**LLAMA_KW, **GEMMA4, "pad_token_id": 2}}  # (its image-text forward reads the pad id)
+        "gemma4": {**LLAMA_KW, **GEMMA4, "pad_token_id": 2},  # (its image-text forward reads the pad id)
+        "mistral3": LLAMA_KW}
 
 
 def image_text(kind: str, tie: bool = True) -> tf.PreTrainedModel:
@@ -37,6 +38,11 @@ def image_text(kind: str, tie: bool = True) -> tf.PreTrainedModel:
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
             patch_size=14))
         model = tf.Gemma3ForConditionalGeneration(config)
+    elif kind == "mistral3":
+        config = tf.Mistral3Config(text_config={**text, "model_type": "mistral"}, tie_word_embeddings=tie,
+                                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2, image_size=28, patch_size=14, head_dim=16))
+        model = tf.Mistral3ForConditionalGeneration(config)
     else:
         config = tf.Gemma4Config(text_config=text, audio_config=None, tie_word_embeddings=tie, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -69,11 +75,11 @@ def the_text_part(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("layout", "tie"), [("transformers5", True), ("transformers4", True),
                                              ("transformers5", False)])
-@pytest.mark.parametrize("kind", ["gemma3", "gemma4"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma4", "mistral3"])
 def test_load_hf_gives_the_language_model_with_the_checkpoints_weights(tmp_path, kind, layout, tie):
     whole = image_text(kind, tie)
     text = load_hf(save(whole, tmp_path / kind, layout))
-    assert type(text).__name__ == f"{kind.capitalize()}ForCausalLM"
+    assert type(text).__name__ == {"mistral3": "MistralForCausalLM"}.get(kind, f"{kind.capitalize()}ForCausalLM")
     assert (text.lm_head.weight is text.model.embed_tokens.weight) == tie
     want = the_text_part(whole)
     got = text.state_dict()
