@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import highspy  # noqa: F401  (imported before the baseline, as the trainer's pl
 import torch
 
 from planner.profile import shape_of
-from snake import SnakeConfig, SnakeTrainer
+from snake import AdamW, Placement, SnakeConfig, SnakeTrainer
 from snake.memory import RUNTIME_OVERHEAD_BYTES, device_memory, host_memory
 from snake.models.gpt import GPT, GPTConfig
 
@@ -45,6 +46,9 @@ async def main() -> None:
     ap.add_argument("--schedule", default="vertical")
     ap.add_argument("--opt-share", type=float, default=0.5, help="the budget is sized for this optimizer share")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--fixed", help="a fixed placement param,ckpt,opt,grad instead of the planner's")
+    ap.add_argument("--alpha", type=float, default=0.0)
+    ap.add_argument("--clip", type=float, help="max_grad_norm (with --fixed: every step waits, alpha 1)")
     args = ap.parse_args()
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=args.vocab,
                     block_size=max(64, args.seq))
@@ -64,6 +68,14 @@ async def main() -> None:
         budget = int(mem.at(1.0, 1.0, args.opt_share) + device_memory(shape, n_micro=m) + RUNTIME_OVERHEAD_BYTES)
         config = SnakeConfig(offload_dir=d, device="cpu", micro_batches=args.micro_batches, alpha=0.0,
                              placement=None, schedule=args.schedule, cpu_memory_bytes=budget)
+        if args.fixed:  # the memory model's bytes for it, next to what the process takes
+            shares = [float(v) for v in args.fixed.split(",")]
+            placement = Placement(**dict(zip(("param", "ckpt", "opt", "grad"), shares, strict=True)))
+            optimizer = AdamW(max_grad_norm=args.clip) if args.clip else AdamW()
+            config = dataclasses.replace(config, placement=placement, alpha=args.alpha, optimizer=optimizer,
+                                         cpu_memory_bytes=None)
+            mem = host_memory(shape, n_micro=m, alpha=args.alpha, schedule=args.schedule, workers=2)
+            budget = int(mem.at(*shares))  # (the CPU placement alone, no device or overhead)
         base = status("VmRSS")
         reset_peak()
         async with SnakeTrainer(model, data=data, config=config) as trainer:
@@ -73,8 +85,10 @@ async def main() -> None:
             await trainer.run(args.steps)
             steady = status("VmHWM") - base
             placement = trainer.config.placement
+            traffic = trainer.traffic()
     json.dump({"budget": budget, "first": first, "steady": steady,
-               "placement": [placement.param, placement.ckpt, placement.opt]}, sys.stdout)
+               "placement": [placement.param, placement.ckpt, placement.opt, placement.grad],
+               "grad_ssd_bytes": traffic.get(("cpu", "ssd", "grad"), 0)}, sys.stdout)
 
 
 if __name__ == "__main__":
