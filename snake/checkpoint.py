@@ -15,7 +15,11 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            named as in `model.state_dict()`
   resident.safetensors     the same for the resident (pre/post) parameters (tied weights once),
                            and `frozen/<name>` for every frozen parameter (requires_grad=False:
-                           never stepped; a load checks the model's against their digests)
+                           never stepped; a load checks the model's against their digests),
+                           and `buffer/<name>` for every buffer in `model.state_dict()` (a
+                           layer's own scale or routing bias: `snake export` rebuilds the
+                           model from its config, which does not hold them; a load leaves
+                           the model's as they are)
   rng.safetensors          torch's global RNG state(s) as uint8 tensors
 
 Every parameter has had `step` AdamW steps, less its `missed_steps` (iterations in which it
@@ -720,7 +724,15 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
     # `snake export` takes them from here)
     for name, t in frozen_values(parts).items():
         out[f"frozen/{name}"] = t.to("cpu").contiguous()
+    for name, t in state_buffers(parts.model).items():
+        out[f"buffer/{name}"] = t.detach().to("cpu").contiguous()
     return out
+
+
+def state_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model.state_dict()` holds (persistent), by its names."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {n: t for n, t in model.state_dict(keep_vars=True).items() if n not in params and not t.is_meta}
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ a Hugging Face model is rebuilt from its own config."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,14 @@ from safetensors import safe_open
 
 from snake.errors import SnakeError
 
+log = logging.getLogger("snake")
+
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(manifest, fp32 master weights by parameter name, and the frozen parameters as they
-    are) of a snake checkpoint."""
+    """(manifest, fp32 master weights by parameter name, and the frozen parameters and the
+    model's buffers (those in its state_dict) as they are) of a snake checkpoint."""
     from snake.checkpoint import read_manifest
 
     d = Path(directory)
@@ -28,7 +31,7 @@ def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch
         if name.endswith(".safetensors") and name != "rng.safetensors":
             with safe_open(str(d / name), framework="pt") as f:  # the masters only: not m and v
                 for key in f.keys():
-                    for prefix in ("master/", "frozen/"):
+                    for prefix in ("master/", "frozen/", "buffer/"):
                         if key.startswith(prefix):
                             masters[key[len(prefix) :]] = f.get_tensor(key)
     return manifest, masters
@@ -91,7 +94,25 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
         names.setdefault(id(p), name)
     canonical = {name: names[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     sd = {}
+    fresh = []  # what the checkpoint does not hold: the config's initial value
     for key, value in model.state_dict().items():
         src = canonical.get(key, key)
         sd[key] = masters[src] if src in masters else masters.get(key, value)
+        if src not in masters and key not in masters:
+            fresh.append(key)
+    if fresh:
+        # a checkpoint saved before they were stored holds no buffers (a layer's own scale or
+        # routing bias, which the config does not give); any other missing tensor would be
+        # exported with the config's fresh values
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        stored_buffers = any(k not in params and k in masters for k in model.state_dict())
+        if stored_buffers or any(k in params for k in fresh):
+            raise SnakeError(
+                f"export: {checkpoint} holds no {fresh[0]!r} ({len(fresh)} tensors of the model its config builds "
+                "missing): the checkpoint is not of this model; export in the process that trained it with "
+                "snake.hf.export_hf(await trainer.state_dict(), model, out)"
+            )
+        log.warning("export: %s holds no buffers (saved before they were stored): %d buffers (%s) take the "
+                    "config's initial values, which may not be the trained model's; save it again, or export "
+                    "in-process with snake.hf.export_hf", checkpoint, len(fresh), ", ".join(fresh[:3]))
     return export_hf(sd, model, out)

@@ -103,3 +103,70 @@ async def test_an_export_that_cannot_fit_is_refused_before_a_file_is_written(tmp
             assert not out.exists()
         else:
             assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["gemma4moe", "deepseekv3"])
+async def test_each_layers_own_buffers_are_exported(tmp_path, kind, caplog):
+    """Buffers a trained checkpoint holds and a config does not (Gemma 4's `layer_scalar`,
+    DeepSeek V3's routing bias `e_score_correction_bias`, another in every layer) are saved
+    with the checkpoint and exported from it: `snake export` rebuilt the model from its
+    config and wrote the config's (1.0, 0.0), so the exported model gave other logits
+    (0.48 apart on the Gemma 4 test model). A checkpoint saved without them still exports,
+    with a warning that names them."""
+    import json
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_hf import VOCAB, make
+
+    model = make(kind)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            buf = layer.layer_scalar if kind == "gemma4moe" else getattr(layer.mlp, "gate", None)
+            if kind == "deepseekv3" and buf is not None:
+                buf = buf.e_score_correction_bias
+            if buf is not None:
+                buf.copy_(torch.rand(buf.shape, generator=g) + 0.5)
+    data = batches(3, 4, vocab=VOCAB)
+    state = await _train_and_save(model, tmp_path, data)
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    model.load_state_dict(state)
+    x = data[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(x).logits, model.eval()(x).logits, rtol=1e-5, atol=1e-5)
+    # a checkpoint of before: no buffers in it (its manifest's digest made to match)
+    ckpt = tmp_path / "ckpt"
+    resident = load_file(str(ckpt / "resident.safetensors"))
+    save_file({k: v for k, v in resident.items() if not k.startswith("buffer/")}, str(ckpt / "resident.safetensors"))
+    import hashlib
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data_bytes = (ckpt / "resident.safetensors").read_bytes()
+    manifest["files"]["resident.safetensors"] = {"bytes": len(data_bytes), "sha256": hashlib.sha256(data_bytes).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="snake"):
+        assert main(["export", str(ckpt), "--hf", str(tmp_path / "old")]) == 0
+    assert "holds no buffers" in caplog.text and ("layer_scalar" in caplog.text or "e_score_correction_bias" in caplog.text)
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_missing_a_parameter_of_its_config_is_refused(tmp_path, capsys):
+    """The model its config builds has a parameter the checkpoint does not hold (a config
+    edited after saving): refused, where the export wrote that parameter's fresh values."""
+    import json
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    await _train_and_save(load_hf(cfg), tmp_path, batches(3, 4))
+    manifest_path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model_config"]["attention_bias"] = True
+    manifest_path.write_text(json.dumps(manifest))
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) != 0
+    assert "holds no 'model.layers.0.self_attn.q_proj.bias'" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
