@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +78,11 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
     an explicit ModelParts. Raises ModelError with what to do otherwise."""
     from snake.models.gpt import GPT
 
+    base = peft_base(model)
+    if base is not None:
+        # a PEFT model (LoRA and kin): its base model, adapters injected in its layers, is the
+        # model snake trains (its parameters and state_dict names are the base model's)
+        return describe(base)
     if isinstance(model, ModelParts):
         parts = model
     elif isinstance(model, GPT):
@@ -113,6 +119,20 @@ def describe(model: nn.Module | ModelParts) -> ModelParts:
             streamed = {n for n, _ in [*flat_named(b), *frozen_named(b)]}
             materialize_block(parts, i, b, [n for n, _ in b.named_parameters() if n not in streamed])
     return parts
+
+
+def peft_base(model: object) -> nn.Module | None:
+    """The base model of a PEFT wrapper (`peft.PeftModel`: `get_base_model()`), None for any
+    other model."""
+    if not type(model).__module__.startswith("peft.") or not callable(getattr(model, "get_base_model", None)):
+        return None
+    base = model.get_base_model()  # type: ignore[attr-defined]
+    return base if isinstance(base, nn.Module) else None
+
+
+def has_peft_layers(model: nn.Module) -> bool:
+    """Whether PEFT injected its layers (adapters beside a `base_layer`) into `model`."""
+    return any(type(m).__module__.startswith("peft.") for m in model.modules())
 
 
 def takes_layer(fn: BlockFn) -> bool:
@@ -310,6 +330,38 @@ def kept_fp32(module: nn.Module, *, skip: str | None = None) -> frozenset[str]:
         # the runtime streams and steps at least one parameter of every layer
         kept = kept.difference(n for n, p in params if p.requires_grad)
     return kept
+
+
+def fp32_streamed_low(block: nn.Module) -> list[str]:
+    """The trained float32 parameters of a block stored mostly in a lower precision that
+    stream in the compute dtype all the same (`kept_fp32`: the block trains nothing else, so
+    they are all it streams): PEFT's adapters of a bfloat16 model, a router-only fine-tune."""
+    params = list(block.named_parameters())
+    floating = [p for _, p in params if p.is_floating_point()]
+    wide = sum(p.numel() for p in floating if p.dtype == torch.float32)
+    if wide * 2 >= sum(p.numel() for p in floating):
+        return []
+    trained = [n for n, p in params if p.requires_grad]
+    if trained and all(p.dtype == torch.float32 for _, p in params if p.requires_grad):
+        return trained
+    return []
+
+
+def warn_fp32_streamed_low(parts: ModelParts) -> None:
+    """A UserWarning where a block's trained float32 parameters run in the compute dtype
+    (`fp32_streamed_low`), which plain PyTorch runs in float32."""
+    for i, b in enumerate(parts.blocks):
+        names = fp32_streamed_low(b)
+        if names:
+            warnings.warn(
+                f"snake: block {i} trains only float32 parameters ({names[0]!r} and {len(names) - 1} more, in a "
+                "model stored in a lower precision: PEFT's adapters of a bfloat16 model, say); snake streams them "
+                "in the compute dtype, as a layer streams at least one parameter, and so computes them in it "
+                "where PyTorch computes them in float32 (fp32 masters either way). For the same computation "
+                "in both, make them the compute dtype (get_peft_model(..., autocast_adapter_dtype=False))",
+                UserWarning, stacklevel=4,
+            )
+            return
 
 
 def kept_fp32_params(parts: ModelParts) -> int:

@@ -66,6 +66,7 @@ from snake.adapters import (
     ModelParts,
     flat_named,
     frozen_values,
+    has_peft_layers,
     layer_kinds,
     layer_specs,
     layer_values,
@@ -269,7 +270,8 @@ def model_config(parts: ModelParts) -> dict[str, Any] | None:
     cfg = getattr(model, "config", None)
     to_dict = getattr(cfg, "to_dict", None)
     if callable(to_dict):
-        return {"kind": "transformers", **to_dict()}
+        # a PEFT model's layers hold adapters its config does not build (`snake export` refuses)
+        return {"kind": "transformers+peft" if has_peft_layers(model) else "transformers", **to_dict()}
     return None
 
 

@@ -81,6 +81,14 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
             "load its weights with snake.export.read_masters and save them yourself"
         )
     kind = config.pop("kind")
+    if kind == "transformers+peft":
+        raise SnakeError(
+            f"export: {checkpoint} is of a PEFT model (adapters in its layers, which its config does not "
+            "build); save them in the process that trains it: "
+            "peft_model.get_base_model().load_state_dict(await trainer.state_dict()), then "
+            "peft_model.save_pretrained(out) (or peft_model.merge_and_unload().save_pretrained(out) for "
+            "the whole model)"
+        )
     if kind == "snake.gpt":
         hf_config, sd = gpt_to_gpt2(config, masters)
         model = GPT2LMHeadModel(hf_config)

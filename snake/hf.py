@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from snake.adapters import ModelParts, layer_kinds
+from snake.adapters import ModelParts, has_peft_layers, layer_kinds
 from snake.errors import DataError, ModelError, StorageError
 from snake.memory import fmt_size
 
@@ -154,6 +154,13 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
     weights = getattr(model, "snake_layer_weights", None)
     if parts is None or weights is None:
         return parts
+    if has_peft_layers(model):
+        raise ModelError(
+            "model: PEFT put adapters into the layers of a model from stream_hf, whose layer weights stay "
+            "in their files on the meta device (and so are the adapters, uninitialised); load the model "
+            "with snake.hf.load_hf(dir) before get_peft_model (snake then holds its frozen weights in CPU "
+            "memory, one copy in the compute dtype)"
+        )
     # a layer parameter is on the meta device, or real because snake read it from the files
     # (frozen ones): one made real otherwise (model.to_empty) would train on whatever it holds
     for i, block in enumerate(parts.blocks):

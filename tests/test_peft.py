@@ -1,0 +1,111 @@
+"""PEFT models (LoRA): snake trains the base model with the adapters PEFT injected into its
+layers (the frozen base weights stream with their layer, the adapters are trained), given
+the PEFT model itself or its base model. The weights are plain PyTorch's; the adapters
+save with PEFT's own save_pretrained and load back with the trained logits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from snake import ModelError, SnakeTrainer
+from snake.cli import main
+from snake.hf import stream_hf
+from tests.helpers import batches, mixed_reference
+from tests.test_hf import VOCAB, assert_matches, assert_mixed_precision, make, reference, snake_config
+
+# (PEFT reads transformers' deprecated gradient-checkpointing flag)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def lora(kind: str = "llama", **kw) -> PeftModel:
+    """The test model of `kind` with LoRA adapters, B away from its zero start (so that A
+    gets gradients from the first step)."""
+    model = get_peft_model(make(kind, **kw), LoraConfig(**LORA))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+async def train(model, data, tmp_path, dtype="float32", steps=3):
+    async with SnakeTrainer(model, data=data, config=snake_config(tmp_path, dtype=dtype)) as trainer:
+        await asyncio.wait_for(trainer.run(steps), timeout=120)
+        await trainer.save(tmp_path / "ckpt")
+        return await trainer.state_dict()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("given", ["peft", "base"])
+async def test_lora_trains_as_plain_pytorch(tmp_path, given):
+    model = lora()
+    base = model.get_base_model()
+    trained = {n for n, p in base.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(base, data, 2)
+    got = await train(model if given == "peft" else base, data, tmp_path)
+    assert got.keys() == base.state_dict().keys()
+    assert_matches(got, want)
+    # the frozen base weights are as they were; the adapters moved
+    for n, p in base.named_parameters():
+        assert torch.equal(got[n], p.detach()) != (n in trained), n
+
+
+@pytest.mark.asyncio
+async def test_trained_adapters_save_and_load_with_peft(tmp_path):
+    model = lora()
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    got = await train(model, data, tmp_path)
+    model.get_base_model().load_state_dict(got)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    again = PeftModel.from_pretrained(make("llama"), str(tmp_path / "adapter"))
+    x = data[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(x).logits, model.eval()(x).logits, rtol=0, atol=1e-6)
+    # `snake export` rebuilds a model from its config, which has no adapters: refused, with the way
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) != 0
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.asyncio
+async def test_bf16_lora_follows_plain_mixed_precision(tmp_path):
+    """A bfloat16 model with its adapters in bfloat16 too (autocast_adapter_dtype=False):
+    they stream with their layer in the compute dtype, fp32 masters, as in plain PyTorch
+    mixed precision."""
+    model = get_peft_model(make("llama").to(torch.bfloat16), LoraConfig(**LORA), autocast_adapter_dtype=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = mixed_reference(model.get_base_model(), data, 2, fused=True)
+    assert_mixed_precision(await train(model, data, tmp_path, dtype="bfloat16"), want)
+
+
+@pytest.mark.asyncio
+async def test_fp32_adapters_of_a_bf16_model_run_in_bf16_and_say_so(tmp_path):
+    """PEFT's default keeps a bfloat16 model's adapters in float32 (`autocast_adapter_dtype`).
+    They are all a layer trains, and a layer streams at least one parameter, in the compute
+    dtype: snake computes them in bfloat16 where PyTorch computes them in float32 (measured:
+    up to 3e-4 apart after three steps), and warns, naming the way to the same computation."""
+    model = get_peft_model(make("llama").to(torch.bfloat16), LoraConfig(**LORA))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    with pytest.warns(UserWarning, match=r"block 0 trains only float32 parameters \('self_attn.q_proj.lora_A"
+                                         r".*autocast_adapter_dtype=False"):
+        got = await train(model, batches(3, 4, seq=16, vocab=VOCAB), tmp_path, dtype="bfloat16")
+    assert all(torch.isfinite(v).all() for v in got.values())
+
+
+def test_lora_on_a_streamed_model_is_refused(tmp_path):
+    """stream_hf leaves the layers on the meta device, where PEFT makes its adapters too
+    (uninitialised): refused by name, with the way (load_hf), where training failed later
+    on a renamed base weight."""
+    make("llama").save_pretrained(str(tmp_path / "m"))
+    model = get_peft_model(stream_hf(tmp_path / "m"), LoraConfig(**LORA))
+    with pytest.raises(ModelError, match=r"PEFT put adapters into the layers of a model from stream_hf.*"
+                                         r"snake\.hf\.load_hf\(dir\) before get_peft_model"):
+        SnakeTrainer(model, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path))
