@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -182,6 +181,11 @@ def check_parts(parts: ModelParts) -> None:
             )
     blocks = list(parts.blocks)
     check_blocks(blocks)
+    if not any(p.requires_grad for p in parts.model.parameters()):
+        raise ModelError(
+            "model: no parameter requires grad, so training would change nothing; unfreeze what "
+            "you mean to train (p.requires_grad_(True)) or load a PEFT model's adapters trainable"
+        )
     names = dict(parts.model.named_modules())
     for i, b in enumerate(blocks):
         if names.get(f"{parts.blocks_prefix}.{i}") is not b:
@@ -195,18 +199,11 @@ def check_parts(parts: ModelParts) -> None:
 
 
 def check_blocks(blocks: list[nn.Module]) -> None:
-    """ModelError for blocks snake cannot stream: none at all, or blocks without parameters.
-    Blocks that differ (in class, parameters or submodule classes) are kinds of their own
-    (`layer_kinds`); shapes only are read, so this works on the meta device too."""
+    """ModelError for blocks snake cannot stream: none at all. Blocks that differ (in
+    class, parameters or submodule classes) are kinds of their own (`layer_kinds`); a block
+    that trains nothing (frozen) streams its frozen weights and steps nothing."""
     if not blocks:
         raise ModelError("model: no blocks found; a model needs at least one block to stream")
-    for i, b in enumerate(blocks):
-        if not any(p.requires_grad for p in b.parameters()):
-            raise ModelError(
-                f"model: block {i} ({type(b).__name__}) has no parameters to train; snake streams "
-                "each block's trained parameters: describe a layer without any (or a frozen one) "
-                "as part of pre or post"
-            )
 
 
 def layer_kinds(blocks: Sequence[nn.Module]) -> tuple[list[int], list[int]]:
@@ -324,44 +321,7 @@ def kept_fp32(module: nn.Module, *, skip: str | None = None) -> frozenset[str]:
         return frozenset()
     tensors = params + mine(module.named_buffers(remove_duplicate=False))
     kept = frozenset(n for n, t in tensors if t.dtype == torch.float32)
-    if skip is None and all(n in kept for n, p in params if p.requires_grad):
-        # a block that would stream nothing (it trains only what it keeps in fp32: a
-        # router-only fine-tune): its trained parameters stream in the compute dtype, as
-        # the runtime streams and steps at least one parameter of every layer
-        kept = kept.difference(n for n, p in params if p.requires_grad)
     return kept
-
-
-def fp32_streamed_low(block: nn.Module) -> list[str]:
-    """The trained float32 parameters of a block stored mostly in a lower precision that
-    stream in the compute dtype all the same (`kept_fp32`: the block trains nothing else, so
-    they are all it streams): PEFT's adapters of a bfloat16 model, a router-only fine-tune."""
-    params = list(block.named_parameters())
-    floating = [p for _, p in params if p.is_floating_point()]
-    wide = sum(p.numel() for p in floating if p.dtype == torch.float32)
-    if wide * 2 >= sum(p.numel() for p in floating):
-        return []
-    trained = [n for n, p in params if p.requires_grad]
-    if trained and all(p.dtype == torch.float32 for _, p in params if p.requires_grad):
-        return trained
-    return []
-
-
-def warn_fp32_streamed_low(parts: ModelParts) -> None:
-    """A UserWarning where a block's trained float32 parameters run in the compute dtype
-    (`fp32_streamed_low`), which plain PyTorch runs in float32."""
-    for i, b in enumerate(parts.blocks):
-        names = fp32_streamed_low(b)
-        if names:
-            warnings.warn(
-                f"snake: block {i} trains only float32 parameters ({names[0]!r} and {len(names) - 1} more, in a "
-                "model stored in a lower precision: PEFT's adapters of a bfloat16 model, say); snake streams them "
-                "in the compute dtype, as a layer streams at least one parameter, and so computes them in it "
-                "where PyTorch computes them in float32 (fp32 masters either way). For the same computation "
-                "in both, make them the compute dtype (get_peft_model(..., autocast_adapter_dtype=False))",
-                UserWarning, stacklevel=4,
-            )
-            return
 
 
 def kept_fp32_params(parts: ModelParts) -> int:

@@ -44,9 +44,11 @@ def _split_parts(sizes: list[int], alpha: float) -> list[tuple[int, int]]:
     iteration's gradient)."""
     if alpha >= 1.0:
         return [(0, p) for p in sizes]
-    delayed = [min(int(round(alpha * p)), p - 1) for p in sizes]
+    delayed = [min(int(round(alpha * p)), p - 1) if p else 0 for p in sizes]
     if any(delayed):
-        delayed = [max(d, 1) for d in delayed] if all(p > 1 for p in sizes) else [0] * len(sizes)
+        trains = [p for p in sizes if p]
+        delayed = [max(d, 1) if p else 0 for p, d in zip(sizes, delayed, strict=True)] \
+            if all(p > 1 for p in trains) else [0] * len(sizes)
     return [(p - d, d) for p, d in zip(sizes, delayed, strict=True)]
 
 
@@ -107,7 +109,7 @@ class Engine:
         self.stages = build_schedule(self.N, self.M, config.schedule)
         self.S = len(self.stages)
         self.layer_parts = _split_parts(self.layer_P, self.alpha)
-        self.delayed = self.layer_parts[0][DELAYED] > 0
+        self.delayed = any(n_del for _n_now, n_del in self.layer_parts)
         self.plans = Plans(self.stages, self.N, delayed=self.delayed)
         self.ckpt_shape = ckpt_shape
         self.input_shape = input_shape
@@ -134,7 +136,10 @@ class Engine:
         use_gds = device.type == "cuda"
         store_kw: dict[str, Any] = dict(directory=offload_dir, pin=self.pin, bucket=bucket, use_gds=use_gds,
                                         backend=config.storage_backend, stop=self.stop)
-        parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.layer_parts[layer]) if n]
+        # a layer that trains nothing it streams (all it trains is held on the device, or
+        # it is frozen) has units of no elements: its loads, steps and saves move nothing
+        parts_units = [((layer, p), n) for layer in range(self.N) for p, n in enumerate(self.layer_parts[layer])
+                       if n or not self.layer_P[layer]]
         ckpt_units = [((layer, m), self.ckpt_elems) for layer in range(self.N) for m in range(self.M)]
         self._preflight(offload_dir, parts_units, ckpt_units)
         try:
@@ -460,7 +465,7 @@ class Engine:
             if stop is not None and stop.is_set():
                 raise Stopped("writing the initial weights cancelled part-way")
             values = layer_values(parts, layer, flat_named(block))  # read now where on the meta device
-            flat = torch.cat([p.reshape(-1).to(torch.float32) for p in values])
+            flat = torch.cat([p.reshape(-1).to(torch.float32) for p in values] or [torch.empty(0)])
             del values
             off = 0
             for part, n in enumerate(self.layer_parts[layer]):

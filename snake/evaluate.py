@@ -330,7 +330,7 @@ def _load(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None,
     adds them to the trace)."""
     store = e.stores["param"]
     now = e.tracer.now
-    units = [store.unit((layer, part)) for part, n in enumerate(e.layer_parts[layer]) if n]
+    units = [store.unit((layer, part)) for part, n in enumerate(e.layer_parts[layer]) if n or not e.layer_P[layer]]
     if e.device.type == "cpu" and not any(u.tail_n for u in units):
         first = units[0].head_offset
         return store.cpu[first : first + e.layer_P[layer]]

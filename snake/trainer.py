@@ -26,7 +26,6 @@ from snake.adapters import (
     layer_values,
     real_param,
     vocab_size,
-    warn_fp32_streamed_low,
 )
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
@@ -86,8 +85,6 @@ class SnakeTrainer:
         self.config = config
         self.device = resolve_device(config.device)
         self.parts = describe(model)
-        if config.dtype != "float32":
-            warn_fp32_streamed_low(self.parts)
         decay_flags(self.parts, config.optimizer)  # a no_decay that fails: a ConfigError now
         self.source = DataSource(data)
         # last: it creates the directory, which a bad model or data should not leave behind

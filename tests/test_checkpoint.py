@@ -594,7 +594,8 @@ from snake import Placement, SnakeConfig, SnakeTrainer
 from tests.helpers import batches, tiny_gpt
 from tests.test_checkpoint import _reset_peak, _status
 
-async def main(off, opt, resident):
+async def main(off, opt, resident, threads):
+    torch.set_num_threads(int(threads))  # the test's: another count sums the matmuls in another order
     cfg = SnakeConfig(micro_batches=1, placement=Placement(param=1.0, ckpt=1.0, opt=float(opt)), alpha=0.0,
                       device="cpu", offload_dir=off, resident_optimizer=resident)
     async with SnakeTrainer(tiny_gpt(n_layer=6, n_embd=512, seed=0), data=batches(2, 2), config=cfg) as t:
@@ -625,7 +626,7 @@ def test_state_dict_holds_one_layer_beside_its_result(tmp_path, opt, resident):
     layer_bytes = 4 * sum(p.numel() for p in net.blocks[0].parameters())
     off = tmp_path / "off"
     off.mkdir()
-    done = subprocess.run([sys.executable, "-c", STATE_DICT_PEAK, str(off), str(opt), resident],
+    done = subprocess.run([sys.executable, "-c", STATE_DICT_PEAK, str(off), str(opt), resident, str(torch.get_num_threads())],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)

@@ -48,13 +48,16 @@ async def test_builtin_gpt_exports_as_gpt2(tmp_path, bias, frozen):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("frozen", [False, True], ids=["llama", "llama-frozen-norm-and-embedding"])
+@pytest.mark.parametrize("frozen", [False, True, "layer"],
+                         ids=["llama", "llama-frozen-norm-and-embedding", "llama-frozen-first-layer"])
 async def test_llama_exports(tmp_path, frozen):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     torch.manual_seed(0)
     model = load_hf(cfg)
-    if frozen:  # values a fresh model of the config would not have
+    if frozen == "layer":  # a frozen layer streams its weights and steps none
+        model.model.layers[0].requires_grad_(False)
+    elif frozen:  # values a fresh model of the config would not have
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(2.0)
             model.model.layers[1].input_layernorm.weight.fill_(0.5)

@@ -5,6 +5,7 @@ tied parameters, meta or mixed devices, non-callable parts, sequences past the p
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -84,16 +85,43 @@ def test_blocks_that_differ_are_kinds_of_their_own():
     assert layer_kinds(m.layers) == ([0, 1, 0], [0, 1])
     describe(parts(m))
     m = Tiny()
+    m.layers[1] = nn.Identity()  # a kind of its own without parameters: it streams nothing
+    assert layer_kinds(m.layers) == ([0, 1, 0], [0, 1])
+    describe(parts(m))
+
+
+@pytest.mark.asyncio
+async def test_a_block_without_parameters_trains_as_plain_pytorch(tmp_path):
+    """A parameterless block (refused until round 36, as each layer had to stream a trained
+    parameter) is a layer of no elements."""
+    torch.manual_seed(0)
+    m = Tiny()
     m.layers[1] = nn.Identity()
-    with pytest.raises(ModelError, match=r"block 1 \(Identity\) has no parameters.*pre or post"):
-        describe(parts(m))
 
+    def forward(idx):
+        h = m.emb(idx)
+        for layer in m.layers:
+            h = layer(h)
+        return m.out(h)
 
-def test_a_block_with_nothing_to_train_is_refused(tmp_path):
-    m = tiny_gpt()
-    for p in m.blocks[1].parameters():
-        p.requires_grad_(False)
-    refused(m, tmp_path, r"block 1 \(Block\) has no parameters to train.*pre or post")
+    data = batches(3, 4)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    for x, y in data:
+        opt.zero_grad()
+        for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
+            h = ref.emb(xc)
+            for layer in ref.layers:
+                h = layer(h)
+            nn.functional.cross_entropy(ref.out(h).reshape(-1, 96), yc.reshape(-1)).div(2).backward()
+        opt.step()
+    cfg = SnakeConfig(offload_dir=tmp_path / "off", device="cpu", micro_batches=2, alpha=0.3)
+    async with SnakeTrainer(parts(m), data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(3), timeout=60)
+        got = await t.state_dict()
+    assert got.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg, k=k: f"{k}: {msg}")
 
 
 def test_weight_tied_across_blocks_is_refused(tmp_path):

@@ -139,7 +139,7 @@ class HostToDevice(Actor):
         if e.device.type != "cpu":
             return None
         store = e.stores["param"]
-        units = [store.unit((layer, p)) for p, n in enumerate(e.layer_parts[layer]) if n]
+        units = [store.unit((layer, p)) for p, n in enumerate(e.layer_parts[layer]) if n or not e.layer_P[layer]]
         if any(u.tail_n for u in units):
             return None
         return self._alias("param", layer, store.cpu, units[0].head_offset, (e.layer_P[layer],))

@@ -1,0 +1,120 @@
+"""Layers that train nothing they stream: frozen layers (the usual fine-tune that freezes
+the bottom of the model), and layers whose only trained parameters are held on the device
+in float32 (PEFT's adapters of a bfloat16 model, tests/test_peft.py). Their frozen weights
+stream with the layer; their loads, steps and saves move no trained element, and the
+weights are plain PyTorch's for every schedule, placement and delay ratio."""
+
+import pytest
+import torch
+
+from snake import AdamW, ModelError, Placement
+from snake.engine import Engine
+from tests.helpers import (
+    assert_close_state,
+    batches,
+    reference,
+    schedule_alpha_placement,
+    straight_and_resumed,
+    tiny_gpt,
+    train,
+)
+
+
+def frozen(layers: tuple[int, ...], n_layer: int = 4, **kw):
+    model = tiny_gpt(n_layer=n_layer, bias=False, **kw)
+    for i in layers:
+        for p in model.blocks[i].parameters():
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule,alpha,placement", schedule_alpha_placement())
+@pytest.mark.parametrize("layers", [(0, 2), (1, 2, 3), (0, 1, 2, 3)])
+async def test_frozen_layers_match_plain_pytorch(tmp_path, schedule, alpha, placement, layers):
+    model = frozen(layers)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = batches(3, 6)
+    want, want_losses = reference(model, data, 3)
+    got, report, _ = await train(model, data, 3, micro_batches=3, offload_dir=tmp_path / "off",
+                                 placement=placement, alpha=alpha, schedule=schedule)
+    assert_close_state(got, want)
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
+    for k, v in got.items():
+        if any(k.startswith(f"blocks.{i}.") for i in layers):
+            assert torch.equal(v, before[k]), k  # frozen: bit for bit as they were
+        elif k.startswith("blocks."):
+            assert not torch.equal(v, before[k]), k
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+async def test_frozen_layers_on_the_paths_a_gpu_takes(tmp_path, monkeypatch, alpha):
+    """With the CPU device's shortcuts off (the optimizer on its worker threads, gradients
+    and stores copied, not aliased), as on a GPU: the zero-element steps and copies too."""
+    for flag in ("optimizer_on_compute", "grads_in_slots", "inline_stores", "keep_unit_views"):
+        monkeypatch.setattr(Engine, flag, False)
+    model = frozen((0, 2))
+    data = batches(3, 6)
+    want, _ = reference(model, data, 3)
+    got, _, _ = await train(model, data, 3, micro_batches=3, offload_dir=tmp_path / "off",
+                            placement=Placement(param=0.5, ckpt=0.3, opt=0.6), alpha=alpha)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_frozen_layers_with_clipping_match_plain_pytorch(tmp_path):
+    """The global gradient norm over what is trained: the frozen layers add nothing."""
+    model = frozen((0, 2))
+    data = batches(3, 6)
+    norms: list[float] = []
+    want, _ = reference(model, data, 3, max_norm=0.3, norms=norms)
+    got, report, _ = await train(model, data, 3, micro_batches=3, offload_dir=tmp_path / "off",
+                                 placement=Placement(param=0.5, ckpt=0.3, opt=0.6), alpha=1.0,
+                                 optimizer=AdamW(max_grad_norm=0.3))
+    assert_close_state(got, want)
+    assert [s.grad_norm for s in report.steps] == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_frozen_layers_resume_where_they_stopped(tmp_path):
+    model = frozen((0, 2))
+    data = batches(4, 6)
+    straight, resumed, _, _ = await straight_and_resumed(
+        tmp_path, model, data, 2, 2, micro_batches=3, placement=Placement(param=0.5, ckpt=0.3, opt=0.6), alpha=0.3)
+    assert_close_state(resumed, straight, rtol=0, atol=0)
+
+
+@pytest.mark.asyncio
+async def test_frozen_layers_evaluate_the_trained_model(tmp_path):
+    """evaluate() streams a layer of no trained elements as training does: its loss is
+    plain PyTorch's on the trained weights."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    model = frozen((0, 2))
+    data, held_out = batches(2, 6), batches(2, 6, seed=5)
+    want, _ = reference(model, data, 3)
+    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=0.3,
+                      placement=Placement(param=0.5, ckpt=0.3, opt=0.6))
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(2), timeout=60)
+        report = await t.evaluate(held_out)
+    trained = frozen((0, 2))
+    trained.load_state_dict(want)
+    with torch.no_grad():
+        logits = torch.cat([trained(x) for x, _ in held_out])
+    targets = torch.cat([y for _, y in held_out])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    assert report.loss == pytest.approx(float(loss), abs=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_a_model_that_trains_nothing_is_refused(tmp_path):
+    model = tiny_gpt(n_layer=2)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ModelError, match=r"no parameter requires grad.*requires_grad_\(True\)"):
+        await train(model, batches(1, 2), 1, micro_batches=1, offload_dir=tmp_path / "off")
+    assert not (tmp_path / "off").exists()
