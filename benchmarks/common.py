@@ -103,9 +103,17 @@ def checked_device(args, positive: tuple[str, ...] = ()) -> str:  # type: ignore
     return device
 
 
-def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:
+def make_model(cfg: GPTConfig, seed: int = 0, frozen: int = 0) -> GPT:
+    """The GPT of `cfg`; `frozen` > 0: its embeddings (and so the tied head) and its bottom
+    `frozen` blocks frozen, a fine-tune of the top layers."""
     torch.manual_seed(seed)
-    return GPT(cfg)
+    model = GPT(cfg)
+    if frozen:
+        model.wte.weight.requires_grad_(False)
+        model.wpe.weight.requires_grad_(False)
+        for blk in model.blocks[:frozen]:
+            blk.requires_grad_(False)
+    return model
 
 
 def make_batches(cfg: GPTConfig, global_batch: int, seq: int, n: int, seed: int = 1) -> list:
@@ -143,14 +151,14 @@ async def snake_run_async(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
     placement: Placement | None, alpha: float | None, schedule: str = "vertical",
     cap: float | None = None, cpu_memory_bytes: int | None = None, seed: int = 0,
-    probe=None, link: float | None = None, device: str = "cpu", warmup: int = 1,
+    probe=None, link: float | None = None, device: str = "cpu", warmup: int = 1, frozen: int = 0,
 ) -> dict[str, Any]:
     """One trainer, `steps` iterations; the first `warmup` are not timed. Where the SSD
     binds, the first iterations run faster than the steady state: the optimizer-state tail
     buffers' write-behind fills over them (up to ~0.4 s of SSD time here, BENCHMARKS.md
     section 13). `probe`: an async callable started next to run() (for loop-lag
     measurements); its result goes in out['probe']."""
-    model, data = on_worker(lambda: (make_model(cfg, seed),
+    model, data = on_worker(lambda: (make_model(cfg, seed, frozen),
                                      make_batches(cfg, micro_batches * micro_batch_size, seq, steps)))
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         conf = SnakeConfig(
@@ -208,20 +216,20 @@ def torch_run(cfg: GPTConfig, **kw) -> dict[str, Any]:
 
 def torch_loop(
     cfg: GPTConfig, *, micro_batches: int, micro_batch_size: int, seq: int, steps: int,
-    activation_checkpointing: bool, seed: int = 0, device: str = "cpu", warmup: int = 1,
+    activation_checkpointing: bool, seed: int = 0, device: str = "cpu", warmup: int = 1, frozen: int = 0,
 ) -> dict[str, Any]:
     """Plain in-memory PyTorch: gradient accumulation over micro-batches + torch.optim.AdamW
     (fused where the build has it), optionally torch.utils.checkpoint per block. On CUDA the
     model, its optimizer states and the batches live on the GPU (the in-memory baseline) and
     each timestamp waits for the GPU. The first `warmup` iterations are not timed."""
     dev = torch.device(device)
-    model = make_model(cfg, seed).to(dev)
+    model = make_model(cfg, seed, frozen).to(dev)
     data = [(x.to(dev), y.to(dev)) for x, y in make_batches(cfg, micro_batches * micro_batch_size, seq, steps)]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
     except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     step_s, fb_s, opt_s, losses = [], [], [], []
     for x, y in data:
         sync()

@@ -509,14 +509,34 @@ def input_rows(parts: ModelParts) -> int | None:
     return None
 
 
+def pre_trains(parts: ModelParts) -> bool:
+    """Whether `pre` trains a parameter: its output on one token requires grad (a trained
+    embedding, or one tied to a trained head)."""
+    model = parts.model
+    p = real_param(model)
+    with _probing(model, grad=True):
+        return bool(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).requires_grad)
+
+
+def lowest_backward(parts: ModelParts, pre: bool) -> int:
+    """The lowest layer whose backward an iteration runs: 0 where `pre` trains a parameter
+    (`pre_trains`); else the lowest block that trains one, as autograd runs no backward
+    below it (frozen bottom layers and embedding); the last block where none does (the
+    head's gradient ends there)."""
+    if pre:
+        return 0
+    return next((i for i, b in enumerate(parts.blocks) if any(q.requires_grad for q in b.parameters())),
+                len(parts.blocks) - 1)
+
+
 @contextlib.contextmanager
-def _probing(model: nn.Module) -> Iterator[None]:
-    """No gradients and eval mode while a probe runs the user's functions (a running
-    statistic in `pre` is not updated by it); the modes come back after."""
+def _probing(model: nn.Module, *, grad: bool = False) -> Iterator[None]:
+    """No gradients (unless `grad`) and eval mode while a probe runs the user's functions
+    (a running statistic in `pre` is not updated by it); the modes come back after."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             yield
     finally:
         for m, training in modes:

@@ -39,12 +39,14 @@ class GradClip:
     """The per-iteration state of clipping and of a dynamic loss scale: the norms that came
     in, the coefficients and the skipped iterations."""
 
-    def __init__(self, max_norm: float | None, parts: ModelParts, scaler: LossScaler | None = None) -> None:
+    def __init__(self, max_norm: float | None, parts: ModelParts, scaler: LossScaler | None = None, *,
+                 lowest: int = 0) -> None:
+        """`lowest`: the lowest layer with a backward (`lowest_backward`): those below add no norms."""
         self.max_norm = math.inf if max_norm is None else float(max_norm)
         self.clips = math.isfinite(self.max_norm)  # math.inf: the norm is measured, nothing waits for it
         self.scaler = scaler
         self.waits = self.clips or scaler is not None  # every step waits for `finish`
-        self.n_layers = len(parts.blocks)
+        self.n_layers = len(parts.blocks) - lowest
         # per trained parameter in the model's order (tied ones once): (layer, index in its
         # flat state), or (-1, index in the resident lists)
         res = {n: i for i, (n, _) in enumerate(resident_named_params(parts))}

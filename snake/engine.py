@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from snake.adapters import ModelParts, flat_named, layer_values
+from snake.adapters import ModelParts, flat_named, layer_values, lowest_backward, pre_trains
 from snake.blocking import name_native_thread
 from snake.buffers import BufferPool, HostBuffer, alloc_host, alloc_host_tensor
 from snake.channels import Ledger
@@ -61,6 +61,9 @@ class Engine:
     # vertical on a CPU device: the optimizer steps from the gradient slot itself
     # (slot_grads; the same benchmark turns it off)
     grads_in_slots = True
+    # no backward below the lowest layer that trains anything (lowest_backward;
+    # benchmarks/frozen_bottom.py turns it off to measure what it saves)
+    skip_frozen_backward = True
     # store-unit views made once and kept (unit_views; the same benchmark turns it off)
     keep_unit_views = True
 
@@ -106,7 +109,11 @@ class Engine:
         self.P = k.layer_params
         self.dtype = k.dtype
         self.hidden_dtype = k.hidden_dtype  # checkpoints and their gradients
-        self.stages = build_schedule(self.N, self.M, config.schedule)
+        # no backward below the lowest layer that trains anything where the embedding trains
+        # nothing (frozen bottom layers: autograd runs none there either)
+        self.pre_trains = pre_trains(parts)
+        self.lowest = lowest_backward(parts, self.pre_trains) if self.skip_frozen_backward else 0
+        self.stages = build_schedule(self.N, self.M, config.schedule, self.lowest)
         self.S = len(self.stages)
         self.layer_parts = _split_parts(self.layer_P, self.alpha)
         self.delayed = any(n_del for _n_now, n_del in self.layer_parts)
@@ -127,7 +134,7 @@ class Engine:
         # the norms, coefficients and skipped steps of the iterations in flight
         mg = config.optimizer.max_grad_norm
         self.scaler = k.scaler
-        self.clip = GradClip(mg, parts, k.scaler) if mg is not None or k.scaler is not None else None
+        self.clip = GradClip(mg, parts, k.scaler, lowest=self.lowest) if mg is not None or k.scaler is not None else None
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None

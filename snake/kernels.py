@@ -556,16 +556,22 @@ class Kernels:
         layer: int,
         m: int,
         accumulate: bool,
-    ) -> torch.Tensor:
+        input_grad: bool = True,
+    ) -> torch.Tensor | None:
         """Recompute the block from its input checkpoint, backprop `gy`; add (or copy) the
-        fp32 parameter gradient into `acc`; return the gradient into the block's input."""
+        fp32 parameter gradient into `acc`; return the gradient into the block's input, or
+        None without `input_grad` (the lowest layer with a backward, where nothing below
+        trains: not computed)."""
         params = self.trained(slot, layer)
-        x = self.layer_input(x, layer).detach().requires_grad_(True)
+        x = self.layer_input(x, layer).detach().requires_grad_(input_grad)
         held = [i for _, i in self.layer_held[layer]]
+        wrt = [*([x] if input_grad else []), *params, *(self.res_dev[i] for i in held)]
+        if not wrt:  # nothing to differentiate (no block trains anything): no recompute
+            return None
         with torch.enable_grad(), self.rng(t, layer, m):
             y = self.bind(params, layer, self.frozen_views(slot, layer))(x, layer)
-            grads = torch.autograd.grad(y, [x, *params, *(self.res_dev[i] for i in held)], grad_outputs=gy,
-                                        allow_unused=True)
+            got = torch.autograd.grad(y, wrt, grad_outputs=gy, allow_unused=True)
+        grads: tuple[torch.Tensor | None, ...] = got if input_grad else (None, *got)
         if held:
             self._accumulate_resident(grads[len(grads) - len(held):], held)
             grads = grads[: len(grads) - len(held)]
@@ -583,6 +589,8 @@ class Kernels:
             else:
                 torch.mul(g.reshape(-1).float(), 1.0 / self.scale, out=a)
         gx = grads[0]
+        if not input_grad:
+            return None
         assert gx is not None
         return gx.to(self.hidden_dtype).contiguous()
 

@@ -93,7 +93,10 @@ class Plans:
         self.delayed = delayed
         self.loads = device_loads(stages, n_layers)
         self.fwd = {layer: fwd_stage_of(stages, layer) for layer in range(n_layers)}
-        self.last_bwd = {layer: last_bwd_stage_of(stages, layer) for layer in range(n_layers)}
+        # the layers with a backward (down to `lowest_backward`), and so with optimizer steps:
+        # those below train nothing
+        self.stepped = sorted({s.layer for s in stages if s.phase == "bwd"})
+        self.last_bwd = {layer: last_bwd_stage_of(stages, layer) for layer in self.stepped}
         # checkpoints a forward stage loads: served from the CPU copy of their write
         self.fwd_ckpt_need = {
             (ld.layer, ld.micro_batch): ld.need
@@ -119,6 +122,7 @@ class Plans:
         return self.delayed and t >= max(1, first_delayed)
 
     def steps(self, t: int, layers: list[int], first_delayed: int) -> list[StepOp]:
+        layers = [layer for layer in layers if layer in self.last_bwd]
         ops = [StepOp(t, layer, "now", self.key_now(t, layer)) for layer in layers]
         if self.has_delayed(t, first_delayed):
             ops += [StepOp(t, layer, "delayed", self.key_delayed(t, layer)) for layer in layers]
@@ -147,7 +151,7 @@ class Plans:
     def _reads(self, t: int, has_tail: Callable[[str, tuple[int, ...]], bool], first_delayed: int) -> list[ReadOp]:
         ops: list[ReadOp] = []
         seq = 0
-        for step in self.steps(t, list(range(self.n_layers)), first_delayed):
+        for step in self.steps(t, self.stepped, first_delayed):
             unit = (step.layer, step.part)
             opt_start = step.key - 1
             if has_tail("opt", unit):
@@ -169,7 +173,7 @@ class Plans:
             if ld.kind == "param":
                 start: float = float(g - PARAM_LEAD)
                 stage = self.stages[ld.need]
-                if stage.phase == "fwd" and stage.index == self.fwd[ld.layer]:
+                if stage.phase == "fwd" and stage.index == self.fwd[ld.layer] and ld.layer in self.last_bwd:
                     start = max(start, self.key_now(t - 1, ld.layer))
                     if self.has_delayed(t, first_delayed):
                         start = max(start, self.key_delayed(t, ld.layer))

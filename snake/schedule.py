@@ -31,9 +31,13 @@ class Stage:
     micro_batches: tuple[int, ...]
 
 
-def build_schedule(n_layers: int, n_micro: int, mode: Mode) -> tuple[Stage, ...]:
+def build_schedule(n_layers: int, n_micro: int, mode: Mode, lowest: int = 0) -> tuple[Stage, ...]:
+    """The stages of one iteration; the backward runs down to layer `lowest` only (below it
+    nothing is trained: `snake.adapters.lowest_backward`)."""
     if n_layers < 1 or n_micro < 1:
         raise ValueError(f"need n_layers >= 1 and n_micro >= 1, got {n_layers}, {n_micro}")
+    if not 0 <= lowest < n_layers:
+        raise ValueError(f"need 0 <= lowest < n_layers, got {lowest}")
     stages: list[tuple[Phase, int, tuple[int, ...]]] = []
     if mode == "vertical":
         up = tuple(range(n_micro))
@@ -42,13 +46,13 @@ def build_schedule(n_layers: int, n_micro: int, mode: Mode) -> tuple[Stage, ...]
         for layer in range(n_layers):
             stages.append(("fwd", layer, up if k % 2 == 0 else down))
             k += 1
-        for layer in reversed(range(n_layers)):
+        for layer in reversed(range(lowest, n_layers)):
             stages.append(("bwd", layer, up if k % 2 == 0 else down))
             k += 1
     elif mode == "horizontal":
         for m in range(n_micro):
             stages.extend(("fwd", layer, (m,)) for layer in range(n_layers))
-            stages.extend(("bwd", layer, (m,)) for layer in reversed(range(n_layers)))
+            stages.extend(("bwd", layer, (m,)) for layer in reversed(range(lowest, n_layers)))
     else:
         raise ValueError(f"mode={mode!r} must be 'vertical' or 'horizontal'")
     return tuple(Stage(i, p, layer, mbs) for i, (p, layer, mbs) in enumerate(stages))

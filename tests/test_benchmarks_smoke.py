@@ -20,7 +20,7 @@ def _bench_path(monkeypatch):
 @pytest.mark.parametrize(
     "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity",
              "budget_tradeoff", "contention", "huge_pages", "stage_overlap", "block_call_ab", "train_ab", "kinds", "ab",
-             "stream_memory", "resident_ssd", "evaluate", "clip"]
+             "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom"]
 )
 def test_imports(name):
     sys.modules.pop(name, None)
@@ -35,6 +35,10 @@ def test_helpers():
     assert throughput.first_at([(1, 10.0), (2, 95.0), (4, 100.0)], 0.9) == 2
     cfg = common.gpt_config(2, 64, 16)
     assert common.model_flops_per_token(cfg, 16) > 6 * 2 * cfg.block_params()
+    tuned = common.make_model(cfg, frozen=1)  # frozen_bottom.py's fine-tune of the top layers
+    assert [n for n, p in tuned.named_parameters() if not p.requires_grad][:2] == ["wte.weight", "wpe.weight"]
+    assert not any(p.requires_grad for p in tuned.blocks[0].parameters())
+    assert all(p.requires_grad for p in tuned.blocks[1].parameters())
 
 
 def test_pooled_roofline_pools_all_rounds():

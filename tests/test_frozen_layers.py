@@ -20,12 +20,30 @@ from tests.helpers import (
 )
 
 
-def frozen(layers: tuple[int, ...], n_layer: int = 4, **kw):
+def frozen(layers: tuple[int, ...], n_layer: int = 4, embeddings: tuple[str, ...] = (), **kw):
+    """tiny_gpt with blocks `layers` frozen, and of its embeddings those named ("wte",
+    tied to the head, and "wpe")."""
     model = tiny_gpt(n_layer=n_layer, bias=False, **kw)
     for i in layers:
         for p in model.blocks[i].parameters():
             p.requires_grad_(False)
+    for name in embeddings:
+        getattr(model, name).weight.requires_grad_(False)
     return model
+
+
+async def train_seeing_stages(model, data, steps: int, **config):
+    """`train`, also returning the layers whose backward the iteration ran."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    async with SnakeTrainer(model, data=data, config=SnakeConfig(device="cpu", **config)) as t:
+        report = await asyncio.wait_for(t.run(steps), timeout=120)
+        state = await t.state_dict()
+        assert t.engine is not None
+        bwd = sorted({s.layer for s in t.engine.stages if s.phase == "bwd"})
+    return state, report, bwd
 
 
 @pytest.mark.asyncio
@@ -48,13 +66,35 @@ async def test_frozen_layers_match_plain_pytorch(tmp_path, schedule, alpha, plac
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("schedule,alpha,placement", schedule_alpha_placement())
+@pytest.mark.parametrize("layers,embeddings,lowest", [
+    ((0, 1), ("wte", "wpe"), 2),  # nothing trains below layer 2: no backward there
+    ((0, 1), ("wpe",), 0),        # the token embedding (tied to the head) trains: down to pre
+    ((0, 1, 2, 3), ("wte", "wpe"), 3),  # only the final norm trains: the top layer's backward, no recompute
+])
+async def test_no_backward_below_what_trains(tmp_path, schedule, alpha, placement, layers, embeddings, lowest):
+    """With the embedding frozen too, the backward stops at the lowest layer that trains
+    anything, as autograd's does (no recompute, backward or input gradient below it: a third
+    of a frozen layer's compute in the forward only); the weights are plain PyTorch's."""
+    model = frozen(layers, embeddings=embeddings)
+    data = batches(3, 6)
+    want, want_losses = reference(model, data, 3)
+    got, report, bwd = await train_seeing_stages(model, data, 3, micro_batches=3, offload_dir=tmp_path / "off",
+                                                 placement=placement, alpha=alpha, schedule=schedule)
+    assert bwd == list(range(lowest, 4))
+    assert_close_state(got, want)
+    assert [s.loss for s in report.steps] == pytest.approx(want_losses, abs=1e-5)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
-async def test_frozen_layers_on_the_paths_a_gpu_takes(tmp_path, monkeypatch, alpha):
+@pytest.mark.parametrize("embeddings", [(), ("wte", "wpe")], ids=["embeddings-trained", "embeddings-frozen"])
+async def test_frozen_layers_on_the_paths_a_gpu_takes(tmp_path, monkeypatch, alpha, embeddings):
     """With the CPU device's shortcuts off (the optimizer on its worker threads, gradients
     and stores copied, not aliased), as on a GPU: the zero-element steps and copies too."""
     for flag in ("optimizer_on_compute", "grads_in_slots", "inline_stores", "keep_unit_views"):
         monkeypatch.setattr(Engine, flag, False)
-    model = frozen((0, 2))
+    model = frozen((0, 2), embeddings=embeddings)
     data = batches(3, 6)
     want, _ = reference(model, data, 3)
     got, _, _ = await train(model, data, 3, micro_batches=3, offload_dir=tmp_path / "off",
@@ -63,9 +103,11 @@ async def test_frozen_layers_on_the_paths_a_gpu_takes(tmp_path, monkeypatch, alp
 
 
 @pytest.mark.asyncio
-async def test_frozen_layers_with_clipping_match_plain_pytorch(tmp_path):
-    """The global gradient norm over what is trained: the frozen layers add nothing."""
-    model = frozen((0, 2))
+@pytest.mark.parametrize("embeddings", [(), ("wte", "wpe")], ids=["embeddings-trained", "embeddings-frozen"])
+async def test_frozen_layers_with_clipping_match_plain_pytorch(tmp_path, embeddings):
+    """The global gradient norm over what is trained: the frozen layers add nothing (and
+    with the embeddings frozen, the layers without a backward are not waited for)."""
+    model = frozen((0, 2), embeddings=embeddings)
     data = batches(3, 6)
     norms: list[float] = []
     want, _ = reference(model, data, 3, max_norm=0.3, norms=norms)
@@ -77,8 +119,9 @@ async def test_frozen_layers_with_clipping_match_plain_pytorch(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_frozen_layers_resume_where_they_stopped(tmp_path):
-    model = frozen((0, 2))
+@pytest.mark.parametrize("embeddings", [(), ("wte", "wpe")], ids=["embeddings-trained", "embeddings-frozen"])
+async def test_frozen_layers_resume_where_they_stopped(tmp_path, embeddings):
+    model = frozen((0, 2), embeddings=embeddings)
     data = batches(4, 6)
     straight, resumed, _, _ = await straight_and_resumed(
         tmp_path, model, data, 2, 2, micro_batches=3, placement=Placement(param=0.5, ckpt=0.3, opt=0.6), alpha=0.3)
@@ -93,7 +136,7 @@ async def test_frozen_layers_evaluate_the_trained_model(tmp_path):
 
     from snake import SnakeConfig, SnakeTrainer
 
-    model = frozen((0, 2))
+    model = frozen((0, 2), embeddings=("wte", "wpe"))
     data, held_out = batches(2, 6), batches(2, 6, seed=5)
     want, _ = reference(model, data, 3)
     cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=0.3,
@@ -101,7 +144,7 @@ async def test_frozen_layers_evaluate_the_trained_model(tmp_path):
     async with SnakeTrainer(model, data=data, config=cfg) as t:
         await asyncio.wait_for(t.run(2), timeout=60)
         report = await t.evaluate(held_out)
-    trained = frozen((0, 2))
+    trained = frozen((0, 2), embeddings=("wte", "wpe"))
     trained.load_state_dict(want)
     with torch.no_grad():
         logits = torch.cat([trained(x) for x, _ in held_out])

@@ -146,8 +146,8 @@ class Compute(Actor):
         self.on_step = on_step
         self.carry_plan = carries(engine.stages, engine.N)
         bwd = [s for s in engine.stages if s.phase == "bwd"]
-        self.first_bwd = {layer: min(s.index for s in bwd if s.layer == layer) for layer in range(engine.N)}
-        self.last_bwd = {layer: max(s.index for s in bwd if s.layer == layer) for layer in range(engine.N)}
+        self.first_bwd = {layer: min(s.index for s in bwd if s.layer == layer) for layer in engine.plans.stepped}
+        self.last_bwd = {layer: max(s.index for s in bwd if s.layer == layer) for layer in engine.plans.stepped}
         self.group = CPU_GROUP if engine.device.type == "cpu" else 1
 
     async def _k(self, label: str, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -403,7 +403,7 @@ class Compute(Actor):
                     return None
                 x = got[0]
             sinks = (
-                e.inline_store("ckpt", 0, m) if layer == 0 else None,
+                e.inline_store("ckpt", 0, m) if layer == 0 and not e.lowest else None,
                 e.inline_store(out_kind, out_layer, m) if out_kind == "ckpt" or keep is None else None,
             )
             fn = functools.partial(self._fwd_job, run.params.slot, x, batch, t, layer, m, sinks, keep)
@@ -424,7 +424,7 @@ class Compute(Actor):
             buf = await e.grad_slots.acquire()
         x_in, gy = (got[0], run.box_in) if carried else (got[0], got[1])
         assert gy is not None
-        sink = e.inline_store("act_grad", layer - 1, m) if layer > 0 and keep is None else None
+        sink = e.inline_store("act_grad", layer - 1, m) if layer > e.lowest and keep is None else None
         bwd = functools.partial(
             self._bwd_job, run.params.slot, x_in, gy, buf, batch, t, layer, m, run.acc is not None and j > 0, sink, keep
         )
@@ -445,7 +445,7 @@ class Compute(Actor):
         if run.stage.phase == "fwd":
             out_kind, out_layer = self._fwd_output(layer)
             for part, (first, loss, out) in zip(job.parts, outs, strict=True):
-                if first is not None:
+                if first is not None and not self.e.lowest:  # layer 0's backward recomputes from it
                     await self._stored("ckpt", t, 0, part.m, first, part.inline[0])
                 if loss is not None:
                     losses.append(loss)
@@ -458,7 +458,7 @@ class Compute(Actor):
                 first_mb = run.stage.index == self.first_bwd[layer]
                 last_mb = run.stage.index == self.last_bwd[layer]
                 await self.d2h.put(GradsProduced(t, layer, part.m, part.buf, first_mb, last_mb))
-            if layer > 0 and not (part.j == last and sp.keep_out):
+            if layer > self.e.lowest and not (part.j == last and sp.keep_out):
                 await self._stored("act_grad", t, layer - 1, part.m, gx, part.inline[1])
 
     def _fwd_job(
@@ -497,14 +497,19 @@ class Compute(Actor):
         self, slot: torch.Tensor, x: torch.Tensor, gy: torch.Tensor | _Box, buf: torch.Tensor, batch: BatchReady,
         t: int, layer: int, m: int, accumulate: bool, sink: torch.Tensor | None, keep: _Box | None,
     ) -> torch.Tensor | None:
-        """Blocking: the gradient into the block's input (None for layer 0, whose pre
-        backward runs here too), also written into `sink` if given (Engine.inline_store)
-        and kept in `keep` for the next stage's first job."""
-        k = self.e.kernels
-        gx = k.block_bwd(slot, x, _tensor(gy), buf, t=t, layer=layer, m=m, accumulate=accumulate)
-        if layer == 0:
-            k.pre_bwd(batch.inputs[m], gx, t, m)
+        """Blocking: the gradient into the block's input (None for the lowest layer with a
+        backward: layer 0's pre backward runs here too, where pre trains anything), also
+        written into `sink` if given (Engine.inline_store) and kept in `keep` for the next
+        stage's first job."""
+        e, k = self.e, self.e.kernels
+        gx = k.block_bwd(slot, x, _tensor(gy), buf, t=t, layer=layer, m=m, accumulate=accumulate,
+                         input_grad=layer > e.lowest or e.pre_trains)
+        if layer == e.lowest:
+            if e.pre_trains:
+                assert gx is not None
+                k.pre_bwd(batch.inputs[m], gx, t, m)
             return None
+        assert gx is not None
         if sink is not None:
             sink.copy_(gx.reshape(-1))
         if keep is not None:

@@ -1,0 +1,81 @@
+"""A fine-tune of the top layers (embeddings, tied head and the bottom half of the blocks
+frozen), everything in CPU memory: snake with the backward stopping at the lowest layer
+that trains anything (`snake.adapters.lowest_backward`) against snake with it running down
+to layer 0 as before round 36 (`Engine.skip_frozen_backward = False`), and against
+in-memory PyTorch with per-layer checkpointing, whose autograd runs no backward below what
+trains. Side by side in one run, alternating rounds, the order within a round rotating.
+
+    python benchmarks/frozen_bottom.py [--rounds 4] [--steps 5] [--ms 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from common import gpt_config, machine, save, snake_run, torch_run
+
+from snake import Placement
+from snake.engine import Engine
+
+N_LAYER, N_EMBD, SEQ, MBS = 8, 512, 64, 4
+FROZEN = 4  # the bottom half
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--ms", default="8")
+    ap.add_argument("--name", default="frozen_bottom")
+    args = ap.parse_args()
+    cfg = gpt_config(N_LAYER, N_EMBD, SEQ)
+    rows = []
+    for m in (int(x) for x in args.ms.split(",")):
+        kw = dict(micro_batches=m, micro_batch_size=MBS, seq=SEQ, steps=args.steps, frozen=FROZEN)
+
+        def snake(skip: bool, kw=kw) -> dict:
+            Engine.skip_frozen_backward = skip
+            try:
+                return snake_run(cfg, placement=Placement.all_cpu(), alpha=0.0, **kw)
+            finally:
+                Engine.skip_frozen_backward = True
+
+        runs = {
+            "skip": lambda: snake(True),
+            "full": lambda: snake(False),
+            "torch": lambda kw=kw: torch_run(cfg, activation_checkpointing=True, **kw),
+        }
+        sides = list(runs)
+        tps: dict[str, list[float]] = {s: [] for s in sides}
+        losses: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            order = sides[r % 3:] + sides[: r % 3]
+            for side in order:
+                out = runs[side]()
+                tps[side].append(out["tokens_per_s"])
+                losses[side] = out["losses"]
+        ratio = {
+            "skip_over_full": [a / b for a, b in zip(tps["skip"], tps["full"], strict=True)],
+            "skip_over_torch": [a / b for a, b in zip(tps["skip"], tps["torch"], strict=True)],
+            "full_over_torch": [a / b for a, b in zip(tps["full"], tps["torch"], strict=True)],
+        }
+        row = {"micro_batches": m, "tokens_per_s": tps, "ratios": ratio, "losses": losses,
+               "ratio_medians": {k: statistics.median(v) for k, v in ratio.items()}}
+        rows.append(row)
+        print(f"M={m:3d} tok/s: skip {statistics.median(tps['skip']):7.0f}  full {statistics.median(tps['full']):7.0f}  "
+              f"torch+ckpt {statistics.median(tps['torch']):7.0f} | skip/full "
+              f"{row['ratio_medians']['skip_over_full']:.2f} [{min(ratio['skip_over_full']):.2f}-"
+              f"{max(ratio['skip_over_full']):.2f}]  skip/torch {row['ratio_medians']['skip_over_torch']:.2f} "
+              f"[{min(ratio['skip_over_torch']):.2f}-{max(ratio['skip_over_torch']):.2f}]  full/torch "
+              f"{row['ratio_medians']['full_over_torch']:.2f}", flush=True)
+        # the two snake runs train the same weights: the same losses
+        assert losses["skip"] == losses["full"], (losses["skip"], losses["full"])
+    path = save(args.name, {"machine": machine(), "model": {"n_layer": N_LAYER, "n_embd": N_EMBD, "seq": SEQ,
+                                                            "micro_batch_size": MBS, "frozen_blocks": FROZEN},
+                            "rounds": args.rounds, "steps": args.steps, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
