@@ -78,11 +78,15 @@ async def test_clipping_on_cuda(tmp_path, monkeypatch, schedule, resident):
 
 
 async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batch=6, seq=16,  # type: ignore[no-untyped-def]
-                  resident_optimizer="cpu", lr_lambda=None, no_decay=None, max_norm=None):
+                  resident_optimizer="cpu", lr_lambda=None, no_decay=None, max_norm=None, frozen=(), embeddings=()):
     """Three iterations of snake and of PyTorch on the GPU: the same losses and weights.
-    Returns snake's trace spans."""
+    `frozen` blocks and `embeddings` ("wte", "wpe") frozen. Returns snake's trace spans."""
     placement, alpha = PLACEMENTS[where]
     model = tiny_gpt(n_layer=4, n_embd=width, bias=False)
+    for i in frozen:
+        model.blocks[i].requires_grad_(False)
+    for name in embeddings:
+        getattr(model, name).weight.requires_grad_(False)
     data = batches(3, batch, seq=seq)
     # the reference runs on the same GPU: against a CPU reference, cuBLAS's rounding moved
     # one weight in 16,384 by 4e-5 after 3 AdamW steps (Adam divides by sqrt(v), so a tiny
@@ -107,6 +111,18 @@ async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batc
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     return spans
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where", sorted(PLACEMENTS))
+@pytest.mark.parametrize("embeddings", [(), ("wte", "wpe")], ids=["embeddings-trained", "embeddings-frozen"])
+async def test_frozen_layers_on_cuda(tmp_path, where, embeddings):
+    """Frozen blocks (layers of no trained elements: their frozen weights through the
+    pinned slots, zero-element copies and steps) and, with the embeddings frozen, no
+    backward below layer 2 (tests/test_frozen_layers.py on the CPU)."""
+    await _parity(tmp_path, "vertical", where, "auto", frozen=(0, 1), embeddings=embeddings,
+                  max_norm=0.3 if PLACEMENTS[where][1] == 1.0 else None)
 
 
 @pytest.mark.cuda
@@ -265,3 +281,29 @@ async def test_evaluate_on_cuda_matches_pytorch(tmp_path, where):
     assert single.passes == 2
     assert report.loss == pytest.approx(want, rel=1e-4)
     assert single.loss == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+async def test_fp32_adapters_of_a_bf16_model_on_cuda(tmp_path):
+    """PEFT's fp32 adapters of a bf16 model held on the GPU in fp32 while the frozen base
+    weights stream (tests/test_peft.py on the CPU): the updates of plain mixed precision
+    on the same GPU."""
+    import dataclasses
+
+    from tests.test_hf import VOCAB, snake_config
+    from tests.test_peft import lora
+
+    model = lora(dtype=torch.bfloat16)
+    base = model.get_base_model()
+    init = {n: p.detach().float().clone() for n, p in base.named_parameters() if p.requires_grad}
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = mixed_reference(base, data, 2, fused=True, device="cuda")
+    cfg = dataclasses.replace(snake_config(tmp_path, dtype="bfloat16"), device="cuda")
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        await trainer.run(3)
+        assert trainer.engine.layer_P == [0] * 3
+        got = await trainer.state_dict()
+    assert_tracks_updates({k: got[k].cpu().float() for k in init}, {k: want[k] for k in init}, init,
+                          overall=0.01, each=0.05)
