@@ -161,3 +161,29 @@ async def test_a_model_that_trains_nothing_is_refused(tmp_path):
     with pytest.raises(ModelError, match=r"no parameter requires grad.*requires_grad_\(True\)"):
         await train(model, batches(1, 2), 1, micro_batches=1, offload_dir=tmp_path / "off")
     assert not (tmp_path / "off").exists()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["load_hf", "stream_hf"])
+async def test_a_hugging_face_fine_tune_of_the_top_layers(tmp_path, how):
+    """Llama with its embedding and bottom layer frozen (the head untied, trained): the
+    backward stops at layer 1; loaded whole or streamed from its files (the frozen layer's
+    weights through snake's mapped file). Plain PyTorch's weights."""
+    from snake.hf import load_hf, stream_hf
+    from tests.test_hf import VOCAB, assert_matches, make
+    from tests.test_hf import reference as hf_reference
+
+    make("llama").save_pretrained(str(tmp_path / "m"))
+
+    def tuned(model):
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].requires_grad_(False)
+        return model
+
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = hf_reference(tuned(load_hf(tmp_path / "m")), data, 2)
+    model = tuned(load_hf(tmp_path / "m") if how == "load_hf" else stream_hf(tmp_path / "m"))
+    got, _, bwd = await train_seeing_stages(model, data, 3, micro_batches=2, offload_dir=tmp_path / "off",
+                                            placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
+    assert bwd == [1, 2]
+    assert_matches(got, want)
