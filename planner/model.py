@@ -165,14 +165,19 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         ssd_write=(a * pb, n * cb, a * ob, 0.0),
         ssd_ops=(split + (a > 0), n, 2 * (a > 0), (a > 0) * moved),
     )
+    # the share of the layers with a backward (`ModelShape.bwd_share`): the layers below run
+    # none, so load neither their frozen weights nor their checkpoints for it (the trained
+    # elements' means, p, count theirs as none already; the profile's recompute and backward
+    # seconds are per layer over all of them)
+    f = profile.shape.bwd_share
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
         adam_elems=(1 - a) * p,
-        h2d_bytes=lb + n * cb + (n - 1) * cb,
-        d2h_bytes=(n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
-        ssd_read=(pb, n * cb, (1 - a) * ob, 0.0),
+        h2d_bytes=pb + f * (lb - pb + n * cb + (n - 1) * cb),
+        d2h_bytes=f * (n - 1) * cb + GRAD_BYTES_PER_ELEM * p,
+        ssd_read=(pb, f * n * cb, (1 - a) * ob, 0.0),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob, gb),
-        ssd_ops=(split + (a < 1), n, 2 * (a < 1), (a > 0) * moved),
+        ssd_ops=(split + (a < 1), f * n, 2 * (a < 1), (a > 0) * moved),
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 
@@ -195,10 +200,13 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         ops = (split + (s > 0), 1, 2 * (s > 0), 0)
         return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob, 0.0), (s * pb, cb, s * ob, 0.0), ops)
 
+    f = profile.shape.bwd_share  # the layers with a backward (vertical_phases)
+
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
-        ops = (split + (s > 0), 1, 2 * (s > 0), 0)
-        return Traffic(rb, s * p, lb + cb, grads, (pb, cb, s * ob, 0.0), (s * pb, 0.0, s * ob, 0.0), ops)
+        ops = (split + (s > 0), f, 2 * (s > 0), 0)
+        return Traffic(rb, s * p, pb + f * (lb - pb + cb), grads, (pb, f * cb, s * ob, 0.0),
+                       (s * pb, 0.0, s * ob, 0.0), ops)
 
     phases = (
         phase(profile, "fwd_first", 1, fwd(True)),

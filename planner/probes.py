@@ -27,7 +27,9 @@ from snake.adapters import (
     frozen_named,
     hidden_size,
     layer_kinds,
+    lowest_backward,
     materialize_block,
+    pre_trains,
     trained,
     vocab_size,
 )
@@ -116,8 +118,14 @@ def block_seconds(
         if len(kind_counts) != len(timed):
             raise ValueError(f"kind_counts: {len(kind_counts)} counts for a model of {len(timed)} layer kinds")
         timed = [(count, t) for count, (_, t) in zip(kind_counts, timed, strict=True)]
+        with_bwd = [count for count, _ in timed]
+    else:  # the layers below the lowest that trains anything run no backward (lowest_backward)
+        lowest = lowest_backward(parts, pre_trains(parts))
+        with_bwd = [sum(1 for i, k in enumerate(kinds) if k == kind and i >= lowest) for kind in range(len(firsts))]
     n = sum(count for count, _ in timed)
-    return tuple(sum(count * t[j] for count, t in timed) / n for j in range(3))
+    # per layer, over all n: the forward of every layer, the recompute and backward of those with one
+    weights = ([count for count, _ in timed], with_bwd, with_bwd)
+    return tuple(sum(w * t[j] for w, (_, t) in zip(weights[j], timed, strict=True)) / n for j in range(3))
 
 
 def _copy_block(parts: ModelParts, layer: int) -> torch.nn.Module:

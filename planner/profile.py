@@ -135,6 +135,8 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         hidden_size,
         kept_fp32_params,
         layer_numels,
+        lowest_backward,
+        pre_trains,
         resident_named_params,
         vocab_size,
     )
@@ -144,6 +146,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
     tokens = micro_batch_size * seq_len
     sizes = layer_numels(parts)
+    lowest = lowest_backward(parts, pre_trains(parts))
     frozen = [sum(p.numel() for _, p in frozen_named(b)) for b in parts.blocks]  # streamed with the layer
     slots = [p + f for p, f in zip(sizes, frozen, strict=True)]
     return ModelShape(
@@ -162,6 +165,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         dtype_bytes=DTYPE_BYTES[dtype],
         hidden_bytes=4 if parts.hidden_fp32 is not None and DTYPE_BYTES[dtype] != 4 else None,
         vocab_size=vocab_size(parts),
+        bwd_layers=len(parts.blocks) - lowest if lowest else None,
     )
 
 

@@ -89,6 +89,14 @@ class ModelShape:
     # where it is not dtype_bytes: 4 for a model that keeps it in float32 whatever it
     # computes in (`ModelParts.hidden_fp32`)
     hidden_bytes: int | None = None
+    # layers with a backward where fewer than n_layers (`snake.adapters.lowest_backward`: a
+    # fine-tune of the top layers runs only the forward below the lowest trained one)
+    bwd_layers: int | None = None
+
+    @property
+    def bwd_share(self) -> float:
+        """The share of the layers that run a backward."""
+        return (self.bwd_layers if self.bwd_layers is not None else self.n_layers) / self.n_layers
 
     @property
     def ckpt_bytes(self) -> int:

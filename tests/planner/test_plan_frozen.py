@@ -1,0 +1,70 @@
+"""The planner's time model of a fine-tune of the top layers: the layers below the lowest
+one that trains anything run no backward (`snake.adapters.lowest_backward`), so the
+profile's recompute and backward seconds count them as none, and the backward phase loads
+neither their frozen weights nor their checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planner import probes
+from planner.model import vertical_phases
+from planner.profile import shape_of_parts
+from planner.solve import predict
+from snake import Placement
+from snake.adapters import describe
+from tests.helpers import tiny_gpt
+from tests.planner.conftest import synthetic_profile
+
+
+def frozen_bottom(n_frozen: int, n_layer: int = 4):
+    model = tiny_gpt(n_layer=n_layer, bias=False)
+    model.wte.requires_grad_(False)
+    model.wpe.requires_grad_(False)
+    for blk in model.blocks[:n_frozen]:
+        blk.requires_grad_(False)
+    return model
+
+
+def test_the_shape_counts_the_layers_with_a_backward():
+    assert shape_of_parts(describe(frozen_bottom(1)), 2, 16, "float32").bwd_layers == 3
+    assert shape_of_parts(describe(frozen_bottom(0)), 2, 16, "float32").bwd_layers is None  # all of them
+    trained_embedding = tiny_gpt(n_layer=4)
+    trained_embedding.blocks[0].requires_grad_(False)  # the gradient flows through it to the embedding
+    assert shape_of_parts(describe(trained_embedding), 2, 16, "float32").bwd_layers is None
+
+
+def test_block_times_count_no_backward_below_the_lowest_trained_layer(monkeypatch):
+    """Per layer over all of them: every layer's forward, the recompute and backward of
+    those with one (a frozen kind and a trained kind, timed on their own; fake times)."""
+    times = {True: (1.0, 2.0, 4.0), False: (1.0, 1.0, 1.0)}  # trained kind, frozen kind
+
+    def fake(parts, layers, *a, **kw):
+        return times[any(p.requires_grad for p in parts.blocks[layers[0]].parameters())]
+
+    monkeypatch.setattr(probes, "_kind_seconds", fake)
+    parts = describe(frozen_bottom(1))  # layer 0 frozen, no backward; layers 1-3 trained
+    fwd, rec, bwd = probes.block_seconds(None, 2, 16, "cpu", None, 0.1, parts=parts)
+    assert (fwd, rec, bwd) == (1.0, 3 * 2.0 / 4, 3 * 4.0 / 4)
+    mid = tiny_gpt(n_layer=4, bias=False)
+    mid.blocks[1].requires_grad_(False)  # a frozen layer above a trained one runs its backward
+    fwd, rec, bwd = probes.block_seconds(None, 2, 16, "cpu", None, 0.1, parts=describe(mid))
+    assert (fwd, rec, bwd) == (1.0, (3 * 2.0 + 1.0) / 4, (3 * 4.0 + 1.0) / 4)
+
+
+def test_the_backward_loads_only_the_layers_that_have_one():
+    """Where the host->device link binds the backward, a quarter of the layers without one
+    take a quarter of its frozen weights' and checkpoints' bytes off it."""
+    base = synthetic_profile(h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8)
+    shape = dataclasses.replace(base.shape, layer_frozen_params=base.shape.layer_params, layer_params=0)
+    full = dataclasses.replace(base, shape=shape)
+    top = dataclasses.replace(base, shape=dataclasses.replace(shape, bwd_layers=18))
+    (_, b_full), (_, b_top) = vertical_phases(full, 4, 0.0), vertical_phases(top, 4, 0.0)
+    assert b_top.traffic.h2d_bytes == 0.75 * b_full.traffic.h2d_bytes
+    assert b_top.traffic.ssd_read[1] == 0.75 * b_full.traffic.ssd_read[1]
+    fast, slow = (predict(p, 4, Placement(param=1.0, ckpt=1.0, opt=1.0), 0.0, "vertical") for p in (top, full))
+    assert fast < slow
+    for schedule in ("vertical", "horizontal"):  # no bwd_layers: the model as before
+        same = dataclasses.replace(base, shape=dataclasses.replace(shape, bwd_layers=24))
+        x = Placement(param=0.5, ckpt=0.5, opt=0.5)
+        assert predict(same, 4, x, 0.3, schedule) == predict(full, 4, x, 0.3, schedule)
