@@ -156,20 +156,21 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     # stays in its staging buffer (its delayed step comes next, snake.plans.grad_stays)
     moved = (profile.shape.n_layers - 1) / profile.shape.n_layers
     gb = a * GRAD_BYTES_PER_ELEM * p * moved
+    # the share of the layers with a backward (`ModelShape.bwd_share`): the layers below run
+    # none, so load neither their frozen weights nor their checkpoints for it, and their
+    # checkpoints go on to the next forward stage unwritten (the trained elements' means, p,
+    # count theirs as none already; the profile's recompute and backward seconds are per
+    # layer over all of them)
+    f = profile.shape.bwd_share
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
         h2d_bytes=lb + (n - 1) * cb,
         d2h_bytes=n * cb,
         ssd_read=(pb, 0.0, a * ob, gb),
-        ssd_write=(a * pb, n * cb, a * ob, 0.0),
-        ssd_ops=(split + (a > 0), n, 2 * (a > 0), (a > 0) * moved),
+        ssd_write=(a * pb, f * n * cb, a * ob, 0.0),
+        ssd_ops=(split + (a > 0), f * n, 2 * (a > 0), (a > 0) * moved),
     )
-    # the share of the layers with a backward (`ModelShape.bwd_share`): the layers below run
-    # none, so load neither their frozen weights nor their checkpoints for it (the trained
-    # elements' means, p, count theirs as none already; the profile's recompute and backward
-    # seconds are per layer over all of them)
-    f = profile.shape.bwd_share
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
         adam_elems=(1 - a) * p,
@@ -194,18 +195,17 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     grads = GRAD_BYTES_PER_ELEM * p
 
     split = 1 + (0 < a < 1)  # units per layer of params and optimizer states (vertical_phases)
+    share = profile.shape.bwd_share  # the layers with a backward (vertical_phases)
 
     def fwd(first: bool) -> Traffic:  # the delayed gradients wait in the accumulators: no grad traffic
         s = a if first else 0.0
-        ops = (split + (s > 0), 1, 2 * (s > 0), 0)
-        return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob, 0.0), (s * pb, cb, s * ob, 0.0), ops)
-
-    f = profile.shape.bwd_share  # the layers with a backward (vertical_phases)
+        ops = (split + (s > 0), share, 2 * (s > 0), 0)
+        return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob, 0.0), (s * pb, share * cb, s * ob, 0.0), ops)
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
-        ops = (split + (s > 0), f, 2 * (s > 0), 0)
-        return Traffic(rb, s * p, pb + f * (lb - pb + cb), grads, (pb, f * cb, s * ob, 0.0),
+        ops = (split + (s > 0), share, 2 * (s > 0), 0)
+        return Traffic(rb, s * p, pb + share * (lb - pb + cb), grads, (pb, share * cb, s * ob, 0.0),
                        (s * pb, 0.0, s * ob, 0.0), ops)
 
     phases = (

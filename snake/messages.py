@@ -123,6 +123,9 @@ class WriteTail:
     ledger_key: Hashable
     version: int
     forward: tuple[Any, ...] | None = None  # after writing, hand `buf` to h2d with this tag
+    # False: a checkpoint only the next forward stage reads (no backward below the lowest
+    # trained layer, `Engine.lowest`): handed on without being written
+    write: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,3 +187,32 @@ async def test_a_hugging_face_fine_tune_of_the_top_layers(tmp_path, how):
                                             placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=0.3)
     assert bwd == [1, 2]
     assert_matches(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_checkpoints_no_backward_reads_are_not_written_to_ssd(tmp_path, schedule):
+    """Below the lowest layer with a backward a checkpoint only feeds the next forward
+    stage, from CPU memory: its SSD part is handed on unwritten. The SSD writes of the last
+    iteration are the checkpoints of the layers with a backward, and nothing is read back
+    but theirs; the weights are PyTorch's."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    model = frozen((0, 1), embeddings=("wte", "wpe"))
+    data = batches(3, 6)
+    want, _ = reference(model, data, 3)
+    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=0.0, schedule=schedule,
+                      placement=Placement(param=1.0, ckpt=0.0, opt=1.0))
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(3), timeout=60)
+        traffic = t.traffic()
+        got = await t.state_dict()
+        store = t.engine.stores["ckpt"]
+        tails = {layer: sum(store.tail_bytes(u) for (lay, _m), u in store.units.items() if lay == layer)
+                 for layer in range(4)}
+    assert all(tails.values())  # every checkpoint has an SSD part
+    assert traffic[("cpu", "ssd", "ckpt")] == tails[2] + tails[3]
+    assert traffic[("ssd", "cpu", "ckpt")] == tails[2] + tails[3]
+    assert_close_state(got, want)

@@ -237,7 +237,10 @@ class DeviceToHost(Actor):
         if buf is not None and pool is not None:
             need = e.plans.fwd_ckpt_need.get((msg.layer, msg.micro_batch)) if msg.kind == "ckpt" else None
             forward = None if need is None else ("tail", "ckpt", (msg.layer, msg.micro_batch), msg.t * e.S + need)
-            await self.ssd_write.put(WriteTail(msg.t, store, u, buf, pool, key, msg.t + 1, forward))
+            # a checkpoint no backward reads (below the lowest layer with one) only goes on to
+            # the forward stage that takes it
+            read_back = msg.kind != "ckpt" or msg.layer >= e.lowest
+            await self.ssd_write.put(WriteTail(msg.t, store, u, buf, pool, key, msg.t + 1, forward, read_back))
         else:
             await e.ledger.mark(key, msg.t + 1)
 

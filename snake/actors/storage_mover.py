@@ -96,13 +96,15 @@ class SsdWrite(Actor):
         key = msg.ledger_key
         self.at(msg.t, key[1] if isinstance(key, tuple) else None)
         nbytes = msg.store.tail_bytes(msg.unit)
-        try:
-            label = f"{msg.store.kind} {msg.ledger_key}"
-            await self.work(e.executors["io"], label, msg.store.write_tail, msg.unit, msg.buf, link="cpu->ssd", bytes=nbytes)
-        except BaseException:
-            msg.pool.release(msg.buf)
-            raise
-        e.traffic.add(msg.t, "cpu", "ssd", msg.store.kind, nbytes)
+        if msg.write:
+            try:
+                label = f"{msg.store.kind} {msg.ledger_key}"
+                await self.work(e.executors["io"], label, msg.store.write_tail, msg.unit, msg.buf, link="cpu->ssd",
+                                bytes=nbytes)
+            except BaseException:
+                msg.pool.release(msg.buf)
+                raise
+            e.traffic.add(msg.t, "cpu", "ssd", msg.store.kind, nbytes)
         await e.ledger.mark(msg.ledger_key, msg.version)
         if msg.forward is None:
             msg.pool.release(msg.buf)

@@ -1,7 +1,8 @@
 """The planner's time model of a fine-tune of the top layers: the layers below the lowest
 one that trains anything run no backward (`snake.adapters.lowest_backward`), so the
-profile's recompute and backward seconds count them as none, and the backward phase loads
-neither their frozen weights nor their checkpoints."""
+profile's recompute and backward seconds count them as none, the backward phase loads
+neither their frozen weights nor their checkpoints, and those checkpoints are not written
+to SSD."""
 
 from __future__ import annotations
 
@@ -59,9 +60,12 @@ def test_the_backward_loads_only_the_layers_that_have_one():
     shape = dataclasses.replace(base.shape, layer_frozen_params=base.shape.layer_params, layer_params=0)
     full = dataclasses.replace(base, shape=shape)
     top = dataclasses.replace(base, shape=dataclasses.replace(shape, bwd_layers=18))
-    (_, b_full), (_, b_top) = vertical_phases(full, 4, 0.0), vertical_phases(top, 4, 0.0)
+    (f_full, b_full), (f_top, b_top) = vertical_phases(full, 4, 0.0), vertical_phases(top, 4, 0.0)
     assert b_top.traffic.h2d_bytes == 0.75 * b_full.traffic.h2d_bytes
     assert b_top.traffic.ssd_read[1] == 0.75 * b_full.traffic.ssd_read[1]
+    # their checkpoints only feed the next forward stage: not written to SSD
+    assert f_top.traffic.ssd_write[1] == 0.75 * f_full.traffic.ssd_write[1]
+    assert f_top.traffic.d2h_bytes == f_full.traffic.d2h_bytes
     fast, slow = (predict(p, 4, Placement(param=1.0, ckpt=1.0, opt=1.0), 0.0, "vertical") for p in (top, full))
     assert fast < slow
     for schedule in ("vertical", "horizontal"):  # no bwd_layers: the model as before
