@@ -6,6 +6,11 @@ in-memory PyTorch with per-layer checkpointing, whose autograd runs no backward 
 trains. Side by side in one run, alternating rounds, the order within a round rotating.
 
     python benchmarks/frozen_bottom.py [--rounds 4] [--steps 5] [--ms 8]
+    python benchmarks/frozen_bottom.py --ckpt-share 0 --opt-share 0 --cap-mb 200   # I/O-bound
+
+With `--ckpt-share` / `--opt-share` below 1 the checkpoints / optimizer states go that
+far to SSD (capped at `--cap-mb` MB/s): the checkpoints of the frozen layers are then not
+written to SSD either (`skip` only).
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ms", default="8")
     ap.add_argument("--name", default="frozen_bottom")
+    ap.add_argument("--ckpt-share", type=float, default=1.0)
+    ap.add_argument("--opt-share", type=float, default=1.0)
+    ap.add_argument("--cap-mb", type=float, default=None)
     args = ap.parse_args()
+    placement = Placement(param=1.0, ckpt=args.ckpt_share, opt=args.opt_share)
+    cap = args.cap_mb * 1e6 if args.cap_mb else None
     cfg = gpt_config(N_LAYER, N_EMBD, SEQ)
     rows = []
     for m in (int(x) for x in args.ms.split(",")):
@@ -37,7 +47,7 @@ def main() -> None:
         def snake(skip: bool, kw=kw) -> dict:
             Engine.skip_frozen_backward = skip
             try:
-                return snake_run(cfg, placement=Placement.all_cpu(), alpha=0.0, **kw)
+                return snake_run(cfg, placement=placement, alpha=0.0, cap=cap, **kw)
             finally:
                 Engine.skip_frozen_backward = True
 
@@ -73,7 +83,8 @@ def main() -> None:
         assert losses["skip"] == losses["full"], (losses["skip"], losses["full"])
     path = save(args.name, {"machine": machine(), "model": {"n_layer": N_LAYER, "n_embd": N_EMBD, "seq": SEQ,
                                                             "micro_batch_size": MBS, "frozen_blocks": FROZEN},
-                            "rounds": args.rounds, "steps": args.steps, "rows": rows})
+                            "placement": {"param": 1.0, "ckpt": args.ckpt_share, "opt": args.opt_share},
+                            "cap_mb_per_s": args.cap_mb, "rounds": args.rounds, "steps": args.steps, "rows": rows})
     print(f"wrote {path}")
 
 
