@@ -31,6 +31,7 @@ import dataclasses
 import errno
 import inspect
 import json
+import logging
 import math
 import os
 import re
@@ -38,7 +39,7 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +51,7 @@ from snake.errors import DataError, ModelError, StorageError
 from snake.memory import fmt_size
 
 __all__ = ["describe_hf", "export_hf", "load_hf"]
+log = logging.getLogger("snake")
 
 # decoder-only models whose embedding (`model.embed_tokens`), layers (`model.layers`), final
 # norm and head (`lm_head`) compose as Llama's, with what some of them do outside their
@@ -850,6 +852,19 @@ def text_part_hint(model: nn.Module) -> str | None:
     )
 
 
+def _other_towers(keys: Iterable[str]) -> list[str]:
+    """The modules of an image-text checkpoint's stored tensors outside its language model
+    (`_TEXT_PART`): each key's first component past a leading `model.` (vision_tower,
+    multi_modal_projector, ...)."""
+    out = set()
+    for key in keys:
+        if key.startswith("lm_head.") or any(re.match(pattern, key) for pattern in _TEXT_PART):
+            continue
+        parts = key.split(".")
+        out.add(parts[1] if parts[0] == "model" and len(parts) > 1 else parts[0])
+    return sorted(out)
+
+
 def _text_tensors(where: Mapping[str, _Stored], directory: Path) -> dict[str, _Stored]:
     """An image-text checkpoint's language-model tensors under the text model's names
     (`_TEXT_PART`); its other towers' are left out."""
@@ -920,8 +935,26 @@ def _load_hf(path_or_config: Any, **kwargs: Any) -> nn.Module:
         text = text_part(config)
         if text is not None:  # an image-text checkpoint: its language model, the tensors renamed
             cls = causal_lm_class(text)
-            model, info = cls.from_pretrained(str(path), **{"key_mapping": _TEXT_PART, **kwargs, "config": text},
-                                              output_loading_info=True)
+            if cls is AutoModelForCausalLM:  # the class it stands for, to subclass
+                from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+                cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+            try:
+                towers = _other_towers(_safetensors_keys(files))
+            except ModelError:  # a damaged directory: from_pretrained says what is wrong
+                towers = []
+            # the other towers' tensors are left in the files: not reported one per line as
+            # unexpected (hundreds of lines for a vision tower), but in one line here
+            quiet: Any = type(cls.__name__, (cls,), {
+                "__module__": cls.__module__,
+                "_keys_to_ignore_on_load_unexpected": [rf"(^|\.)({'|'.join(map(re.escape, towers))})\."],
+            }) if towers else cls
+            model, info = quiet.from_pretrained(str(path), **{"key_mapping": _TEXT_PART, **kwargs, "config": text},
+                                                output_loading_info=True)
+            model.__class__ = cls  # the family's own class, as from_pretrained of it gives
+            if towers:
+                log.info("load_hf: the language model of %s; the tensors of its %s stay in the files",
+                         path, ", ".join(towers))
             if info["missing_keys"]:  # stored under names `_TEXT_PART` does not know: fresh weights instead
                 raise ModelError(
                     f"load_hf: {str(path)!r} is an image-text checkpoint; snake loads its language model, but "

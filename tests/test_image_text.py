@@ -146,3 +146,34 @@ def test_a_checkpoint_without_the_language_models_names_is_refused(tmp_path):
     with pytest.raises(ModelError, match=r"stream_hf: .* image-text checkpoint .* hold none under "
                                          r"model\.language_model\.\*"):
         stream_hf(path)
+
+
+def test_the_other_towers_stay_in_the_files_with_one_line_said(tmp_path, caplog):
+    """transformers reports every stored tensor a model does not take as UNEXPECTED, one
+    line each (hundreds for a vision tower): the other towers' are left out of its report
+    and named in one INFO line (logger "snake"); a tensor of the language model that the
+    class does not take is still reported."""
+    import logging
+
+    path = save(image_text("gemma3"), tmp_path / "gemma3", "transformers5")
+    stored = load_file(str(path / "model.safetensors"))
+    stored["model.language_model.extra.weight"] = torch.zeros(2)
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    said: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    hf_log = logging.getLogger("transformers")
+    hf_log.addHandler(handler := Collect())
+    try:
+        with caplog.at_level(logging.INFO, logger="snake"):
+            text = load_hf(path)
+    finally:
+        hf_log.removeHandler(handler)
+    report = "\n".join(said)
+    assert type(text) is tf.Gemma3ForCausalLM
+    assert "vision_tower" not in report and "multi_modal_projector" not in report
+    assert "model.extra.weight" in report and "UNEXPECTED" in report
+    assert any("its multi_modal_projector, vision_tower stay in the files" in r.getMessage() for r in caplog.records)
