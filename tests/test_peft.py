@@ -117,6 +117,25 @@ async def test_fp32_adapters_of_a_bf16_model_compute_in_fp32(tmp_path, schedule,
     assert all(got[n].dtype == torch.float32 for n in trained)
 
 
+@pytest.mark.asyncio
+async def test_fp32_adapters_of_a_bf16_model_clip_as_pytorch(tmp_path):
+    """Clipping by the global norm where everything trained is held (no layer streams a
+    trained element): the norms are the held adapters' and the head's, the coefficient
+    torch's clip_grad_norm_'s on the fp32 gradients."""
+    from snake import AdamW
+
+    model = lora(dtype=torch.bfloat16)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = mixed_reference(model.get_base_model(), data, 2, fused=True, max_norm=0.05)
+    cfg = dataclasses.replace(snake_config(tmp_path, dtype="bfloat16"), alpha=1.0,
+                              optimizer=AdamW(max_grad_norm=0.05))
+    async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+        report = await asyncio.wait_for(trainer.run(3), timeout=120)
+        got = await trainer.state_dict()
+    assert all(s.grad_norm > 0.05 for s in report.steps)  # every step clipped
+    assert_mixed_precision(got, want)
+
+
 def test_lora_on_a_streamed_model_is_refused(tmp_path):
     """stream_hf leaves the layers on the meta device, where PEFT makes its adapters too
     (uninitialised): refused by name, with the way (load_hf), where training failed later
