@@ -166,7 +166,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
         h2d_bytes=lb + (n - 1) * cb,
-        d2h_bytes=n * cb,
+        d2h_bytes=(n - (1 - f)) * cb,  # below, the one carried on the device is not stored
         ssd_read=(pb, 0.0, a * ob, gb),
         ssd_write=(a * pb, f * n * cb, a * ob, 0.0),
         ssd_ops=(split + (a > 0), f * n, 2 * (a > 0), (a > 0) * moved),
@@ -200,7 +200,8 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     def fwd(first: bool) -> Traffic:  # the delayed gradients wait in the accumulators: no grad traffic
         s = a if first else 0.0
         ops = (split + (s > 0), share, 2 * (s > 0), 0)
-        return Traffic(f, s * p, lb, cb, (pb, 0.0, s * ob, 0.0), (s * pb, share * cb, s * ob, 0.0), ops)
+        # below the lowest layer with a backward the output stays on the device, unstored
+        return Traffic(f, s * p, lb, share * cb, (pb, 0.0, s * ob, 0.0), (s * pb, share * cb, s * ob, 0.0), ops)
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0

@@ -114,6 +114,9 @@ class Engine:
         self.pre_trains = pre_trains(parts)
         self.lowest = lowest_backward(parts, self.pre_trains) if self.skip_frozen_backward else 0
         self.stages = build_schedule(self.N, self.M, config.schedule, self.lowest)
+        # the outputs a later stage loads, and so stores: below the lowest layer with a
+        # backward, a checkpoint that stays on the device for the next stage is not stored
+        self.stored = stored_outputs(self.stages, self.N)
         self.S = len(self.stages)
         self.layer_parts = _split_parts(self.layer_P, self.alpha)
         self.delayed = any(n_del for _n_now, n_del in self.layer_parts)
@@ -166,7 +169,7 @@ class Engine:
             self.stores["ckpt"] = TierStore(
                 "ckpt", self.hidden_dtype, ckpt_units, cpu_share=self.placement.ckpt, whole_units=True, **store_kw
             )
-            ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in stored_outputs(self.stages, self.N) if kind == "act_grad"})
+            ag = sorted({self.unit_key(kind, lay, m) for kind, lay, m in self.stored if kind == "act_grad"})
             self.stores["act_grad"] = TierStore(
                 "act_grad", self.hidden_dtype, [(u, self.ckpt_elems) for u in ag], cpu_share=1.0, pin=self.pin,
                 stop=self.stop,

@@ -216,3 +216,31 @@ async def test_checkpoints_no_backward_reads_are_not_written_to_ssd(tmp_path, sc
     assert traffic[("cpu", "ssd", "ckpt")] == tails[2] + tails[3]
     assert traffic[("ssd", "cpu", "ckpt")] == tails[2] + tails[3]
     assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_only_the_checkpoints_a_stage_loads_are_stored(tmp_path, schedule):
+    """Below the lowest layer with a backward a checkpoint is stored only where the next
+    forward stage loads it (vertical: not the micro-batch that stays on the device between
+    the stages; horizontal: none, the output stays on the device), and layer 0's input not
+    at all: the device-to-host checkpoint bytes of the last iteration are those."""
+    import asyncio
+
+    from snake import SnakeConfig, SnakeTrainer
+
+    model = frozen((0, 1), embeddings=("wte", "wpe"))
+    data = batches(3, 6)
+    want, _ = reference(model, data, 3)
+    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=0.3, schedule=schedule,
+                      placement=Placement(param=0.5, ckpt=0.5, opt=0.5))
+    async with SnakeTrainer(model, data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(3), timeout=60)
+        traffic = t.traffic()
+        got = await t.state_dict()
+        unit = t.engine.ckpt_elems * t.engine.stores["ckpt"].esize
+    # layers 2 and 3 (a backward each): every micro-batch's input; layer 1: vertical's two
+    # loaded by its forward stage; layer 0: none
+    stored = 2 * 3 + (2 if schedule == "vertical" else 0)
+    assert traffic[("gpu", "cpu", "ckpt")] == stored * unit
+    assert_close_state(got, want)

@@ -402,9 +402,10 @@ class Compute(Actor):
                 if got is None:
                     return None
                 x = got[0]
+            stores = (layer == 0 and ("ckpt", 0, m) in e.stored, (out_kind, out_layer, m) in e.stored)
             sinks = (
-                e.inline_store("ckpt", 0, m) if layer == 0 and not e.lowest else None,
-                e.inline_store(out_kind, out_layer, m) if out_kind == "ckpt" or keep is None else None,
+                e.inline_store("ckpt", 0, m) if stores[0] else None,
+                e.inline_store(out_kind, out_layer, m) if stores[1] and (out_kind == "ckpt" or keep is None) else None,
             )
             fn = functools.partial(self._fwd_job, run.params.slot, x, batch, t, layer, m, sinks, keep)
             run.j += 1
@@ -445,11 +446,15 @@ class Compute(Actor):
         if run.stage.phase == "fwd":
             out_kind, out_layer = self._fwd_output(layer)
             for part, (first, loss, out) in zip(job.parts, outs, strict=True):
-                if first is not None and not self.e.lowest:  # layer 0's backward recomputes from it
+                # each output a later stage loads (`Engine.stored`): not layer 0's input where
+                # no backward recomputes from it, nor below the lowest layer with a backward a
+                # checkpoint that stays on the device for the next stage
+                if first is not None and ("ckpt", 0, part.m) in self.e.stored:
                     await self._stored("ckpt", t, 0, part.m, first, part.inline[0])
                 if loss is not None:
                     losses.append(loss)
-                if out_kind == "ckpt" or not (part.j == last and sp.keep_out):
+                if (out_kind, out_layer, part.m) in self.e.stored and (
+                        out_kind == "ckpt" or not (part.j == last and sp.keep_out)):
                     await self._stored(out_kind, t, out_layer, part.m, out, part.inline[1])
             return
         for part, gx in zip(job.parts, outs, strict=True):

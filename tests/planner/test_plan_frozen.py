@@ -65,7 +65,8 @@ def test_the_backward_loads_only_the_layers_that_have_one():
     assert b_top.traffic.ssd_read[1] == 0.75 * b_full.traffic.ssd_read[1]
     # their checkpoints only feed the next forward stage: not written to SSD
     assert f_top.traffic.ssd_write[1] == 0.75 * f_full.traffic.ssd_write[1]
-    assert f_top.traffic.d2h_bytes == f_full.traffic.d2h_bytes
+    cb = shape.ckpt_elems * shape.ckpt_bytes  # and the one kept on the device between stages is not stored
+    assert f_top.traffic.d2h_bytes == f_full.traffic.d2h_bytes - 0.25 * cb
     fast, slow = (predict(p, 4, Placement(param=1.0, ckpt=1.0, opt=1.0), 0.0, "vertical") for p in (top, full))
     assert fast < slow
     for schedule in ("vertical", "horizontal"):  # no bwd_layers: the model as before
