@@ -244,3 +244,27 @@ async def test_only_the_checkpoints_a_stage_loads_are_stored(tmp_path, schedule)
     stored = 2 * 3 + (2 if schedule == "vertical" else 0)
     assert traffic[("gpu", "cpu", "ckpt")] == stored * unit
     assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_float16_dynamic_scale_with_no_backward_below_layer_1(tmp_path, schedule):
+    """float16's dynamic loss scale decides from the norms of the layers with a backward
+    and the head's: the same skipped steps, scales and weights as torch.amp.GradScaler."""
+    from snake import Placement as P
+    from tests.helpers import mixed_reference
+    from tests.test_loss_scale import OVERFLOWS, assert_masters, fp16_gpt, grad_scaler
+
+    model = fp16_gpt(n_layer=3)
+    for p in [model.wte.weight, model.wpe.weight, *model.blocks[0].parameters()]:
+        p.requires_grad_(False)
+    data = batches(6, 4)
+    scales: list[tuple[float, bool]] = []
+    want = mixed_reference(model, data, 2, scaler=grad_scaler(OVERFLOWS), scales=scales, fused=True)
+    assert any(s for _, s in scales) and not all(s for _, s in scales)
+    got, report, bwd = await train_seeing_stages(model, data, 6, micro_batches=2, offload_dir=tmp_path / "off",
+                                                 placement=P(param=0.5, ckpt=0.3, opt=0.6), alpha=1.0,
+                                                 schedule=schedule, dtype="float16", loss_scale=OVERFLOWS)
+    assert bwd == [1, 2]
+    assert [(s.loss_scale, s.skipped) for s in report.steps] == scales
+    assert_masters(got, want)
