@@ -39,7 +39,8 @@ def _split_parts(sizes: list[int], alpha: float) -> list[tuple[int, int]]:
     """Per layer of `sizes` elements: (now-step, delayed-step) elements, alpha of each
     layer delayed. An alpha so small (or so near 1) that a part would round to no elements
     delays none (or all but one); layers of several kinds delay some elements in every
-    layer or in none (the plans step a delayed part of every layer). Alpha = 1 delays every
+    layer or in none (the plans step a delayed part of every layer), but a layer of no
+    elements (it streams nothing it trains) has two empty parts. Alpha = 1 delays every
     element of every layer (no now-step elements: each step can wait for the whole
     iteration's gradient)."""
     if alpha >= 1.0:

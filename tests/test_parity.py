@@ -179,6 +179,11 @@ def test_layers_of_several_kinds_delay_a_part_of_every_layer_or_of_none():
     assert _split_parts([100, 1000], 0.0001) == [(100, 0), (1000, 0)]
     assert _split_parts([100, 1000], 0.99999) == [(1, 99), (1, 999)]
     assert _split_parts([1, 1000], 0.3) == [(1, 0), (1000, 0)]  # a one-element layer: none
+    # a layer of no streamed trained elements (frozen, or all it trains held): two empty parts
+    assert _split_parts([0, 100, 1000], 0.3) == [(0, 0), (70, 30), (700, 300)]
+    assert _split_parts([0, 100, 1000], 0.001) == [(0, 0), (99, 1), (999, 1)]
+    assert _split_parts([0, 0], 0.3) == [(0, 0), (0, 0)]
+    assert _split_parts([0, 100], 1.0) == [(0, 0), (0, 100)]
 
 
 @pytest.mark.asyncio
