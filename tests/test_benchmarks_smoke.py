@@ -20,7 +20,7 @@ def _bench_path(monkeypatch):
 @pytest.mark.parametrize(
     "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity",
              "budget_tradeoff", "contention", "huge_pages", "stage_overlap", "block_call_ab", "train_ab", "kinds", "ab",
-             "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom"]
+             "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom", "lora"]
 )
 def test_imports(name):
     sys.modules.pop(name, None)

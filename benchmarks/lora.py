@@ -1,0 +1,139 @@
+"""A LoRA fine-tune (PEFT) of a Llama, everything in CPU memory: snake against plain PyTorch
+training the same PEFT model in memory with per-layer activation checkpointing (the same
+recompute work), side by side in rounds whose order alternates. Two cases:
+- `bf16`: the model in bfloat16 with PEFT's default fp32 adapters: snake holds the adapters
+  on the device in fp32 (no layer streams a trained element) and streams the frozen bf16
+  base weights; PyTorch trains the model as it is (torch AdamW on the adapters).
+- `fp32`: the model in float32: the adapters stream and step with their layer.
+
+    python benchmarks/lora.py [--rounds 3] [--steps 4] [--micro-batches 4]      # ~3 min
+
+Writes benchmarks/results/<--name>.json: tokens per second of each side and round, their
+per-round ratios, and both sides' losses (which must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from common import SCRATCH, machine, on_worker, save  # type: ignore[import-not-found]
+
+from snake import Placement, SnakeConfig, SnakeTrainer
+
+LAYERS, WIDTH, FFN, HEADS, VOCAB, SEQ, MBS = 8, 512, 1376, 8, 1024, 128, 2
+LORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def lora_model(dtype: torch.dtype):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=SEQ)
+    cfg._attn_implementation = "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT reads transformers' deprecated checkpointing flag
+        model = get_peft_model(LlamaForCausalLM(cfg).to(dtype), LoraConfig(**LORA))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # B away from its zero start: every adapter gets gradients at once
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def data(m: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (m * MBS, SEQ), generator=g), torch.randint(0, VOCAB, (m * MBS, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+async def snake_side(model, batches, m: int, dtype: str) -> dict:
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+        cfg = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0, device="cpu",
+                          dtype=dtype)
+        async with SnakeTrainer(model, data=batches, config=cfg) as t:
+            report = await t.run(len(batches))
+            held = t.engine.layer_P == [0] * LAYERS
+    secs = [s.seconds for s in report.steps[1:]]
+    return {"seconds": secs, "losses": [s.loss for s in report.steps], "adapters_held": held}
+
+
+def torch_side(model, batches, m: int) -> dict:
+    """Plain PyTorch on the PEFT model as it is: gradient accumulation, per-layer
+    checkpointing (transformers' own), torch's fused AdamW on the adapters."""
+    model.base_model.model.config.use_cache = False
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    secs, losses = [], []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        total = 0.0
+        for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
+            logits = model(input_ids=xc).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), yc.reshape(-1)) / m
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        secs.append(time.perf_counter() - t0)
+        losses.append(total)
+    return {"seconds": secs[1:], "losses": losses}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--name", default="lora")
+    args = ap.parse_args()
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    m = args.micro_batches
+    tokens = m * MBS * SEQ
+    batches = data(m, args.steps)
+    rows = []
+    for case, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        base = on_worker(lora_model, dtype)
+        sides: dict[str, list[float]] = {"snake": [], "torch": []}
+        losses: dict[str, list[float]] = {}
+        held = None
+        for r in range(args.rounds):
+            order = ["snake", "torch"] if r % 2 == 0 else ["torch", "snake"]
+            for side in order:
+                model = copy.deepcopy(base)
+                if side == "snake":
+                    out = asyncio.run(snake_side(model, batches, m, "bfloat16" if dtype == torch.bfloat16 else "float32"))
+                    held = out["adapters_held"]
+                else:
+                    out = on_worker(torch_side, model, batches, m)
+                sides[side].append(tokens / statistics.median(out["seconds"]))
+                losses[side] = out["losses"]
+        ratios = [a / b for a, b in zip(sides["snake"], sides["torch"], strict=True)]
+        row = {"case": case, "tokens_per_s": sides, "ratios": ratios, "ratio_median": statistics.median(ratios),
+               "losses": losses, "adapters_held": held}
+        rows.append(row)
+        print(f"{case}: snake {statistics.median(sides['snake']):7.0f} tok/s  torch+ckpt "
+              f"{statistics.median(sides['torch']):7.0f} tok/s  snake/torch {row['ratio_median']:.2f} "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}]  adapters held: {held}  last losses "
+              f"{losses['snake'][-1]:.4f} / {losses['torch'][-1]:.4f}", flush=True)
+    path = save(args.name, {"machine": machine(), "model": {"layers": LAYERS, "width": WIDTH, "ffn": FFN, "seq": SEQ,
+                                                            "micro_batch_size": MBS, "lora": LORA},
+                            "micro_batches": m, "rounds": args.rounds, "steps": args.steps, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
