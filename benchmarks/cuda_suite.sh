@@ -3,7 +3,7 @@
 # section 8, results in benchmarks/results/ as usual.
 #
 #   bash benchmarks/cuda_suite.sh                   # all but setting_b, ~17 min on one H100 (overlap ~5 min, a guess)
-#   bash benchmarks/cuda_suite.sh tests kernels     # some of: tests train overlap allcpu kernels throughput storage setting_b kinds
+#   bash benchmarks/cuda_suite.sh tests kernels     # some of: tests train overlap allcpu kernels throughput storage setting_b kinds finetune
 #
 # Times seen on the H100 (round 10): tests 21 s, throughput 7 min, allcpu 1.5 min, storage 20 s.
 set -euo pipefail
@@ -29,7 +29,10 @@ for part in "${parts[@]}"; do
               --capped-only --roof-rounds 1 --steps 3 --ms 4,16 --name throughput_gpu_allcpu ;;
     kinds) python3 benchmarks/kinds.py --device cuda --layers 8 --width 1024 --seq 512 --m 8 --rounds 2 --steps 3 \
              --name kinds_gpu ;;  # round 24's layers of two kinds against in-memory PyTorch
+    finetune) python3 benchmarks/frozen_bottom.py --device cuda --layers 8 --width 2048 --seq 512 --ms 4,16 --rounds 2 \
+                --steps 3 --name frozen_bottom_gpu  # round 36: no backward below the lowest trained layer
+              python3 benchmarks/lora.py --device cuda --rounds 2 --steps 4 --name lora_gpu ;;  # LoRA vs PyTorch
     storage) for b in kvikio posix; do python3 benchmarks/storage.py --quick --backend "$b" --name "storage_${b}_gpu"; done ;;
-    *) echo "cuda_suite.sh: unknown part '$part' (use tests, train, overlap, allcpu, kernels, throughput, storage, setting_b or kinds)" >&2; exit 2 ;;
+    *) echo "cuda_suite.sh: unknown part '$part' (use tests, train, overlap, allcpu, kernels, throughput, storage, setting_b, kinds or finetune)" >&2; exit 2 ;;
   esac
 done

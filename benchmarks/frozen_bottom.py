@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import gpt_config, machine, save, snake_run, torch_run
+from common import add_model_args, checked_device, gpt_config, machine, save, snake_run, torch_run
 
 from snake import Placement
 from snake.engine import Engine
 
-N_LAYER, N_EMBD, SEQ, MBS = 8, 512, 64, 4
-FROZEN = 4  # the bottom half
+MBS = 4  # sequences per micro-batch
 
 
 def main() -> None:
@@ -36,13 +35,17 @@ def main() -> None:
     ap.add_argument("--ckpt-share", type=float, default=1.0)
     ap.add_argument("--opt-share", type=float, default=1.0)
     ap.add_argument("--cap-mb", type=float, default=None)
+    add_model_args(ap, layers=8, width=512, seq=64)
     args = ap.parse_args()
+    device = checked_device(args)
+    n_layer, n_embd, seq = args.layers, args.width, args.seq
+    frozen = n_layer // 2  # the bottom half
     placement = Placement(param=1.0, ckpt=args.ckpt_share, opt=args.opt_share)
     cap = args.cap_mb * 1e6 if args.cap_mb else None
-    cfg = gpt_config(N_LAYER, N_EMBD, SEQ)
+    cfg = gpt_config(n_layer, n_embd, seq)
     rows = []
     for m in (int(x) for x in args.ms.split(",")):
-        kw = dict(micro_batches=m, micro_batch_size=MBS, seq=SEQ, steps=args.steps, frozen=FROZEN)
+        kw = dict(micro_batches=m, micro_batch_size=MBS, seq=seq, steps=args.steps, frozen=frozen, device=device)
 
         def snake(skip: bool, kw=kw) -> dict:
             Engine.skip_frozen_backward = skip
@@ -81,8 +84,9 @@ def main() -> None:
               f"{row['ratio_medians']['full_over_torch']:.2f}", flush=True)
         # the two snake runs train the same weights: the same losses
         assert losses["skip"] == losses["full"], (losses["skip"], losses["full"])
-    path = save(args.name, {"machine": machine(), "model": {"n_layer": N_LAYER, "n_embd": N_EMBD, "seq": SEQ,
-                                                            "micro_batch_size": MBS, "frozen_blocks": FROZEN},
+    path = save(args.name, {"machine": machine(), "device": device,
+                            "model": {"n_layer": n_layer, "n_embd": n_embd, "seq": seq, "micro_batch_size": MBS,
+                                      "frozen_blocks": frozen},
                             "placement": {"param": 1.0, "ckpt": args.ckpt_share, "opt": args.opt_share},
                             "cap_mb_per_s": args.cap_mb, "rounds": args.rounds, "steps": args.steps, "rows": rows})
     print(f"wrote {path}")

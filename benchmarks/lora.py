@@ -6,7 +6,7 @@ recompute work), side by side in rounds whose order alternates. Two cases:
   base weights; PyTorch trains the model as it is (torch AdamW on the adapters).
 - `fp32`: the model in float32: the adapters stream and step with their layer.
 
-    python benchmarks/lora.py [--rounds 3] [--steps 4] [--micro-batches 4]      # ~3 min
+    python benchmarks/lora.py [--rounds 3] [--steps 4] [--micro-batches 4] [--device cuda]   # ~3 min
 
 Writes benchmarks/results/<--name>.json: tokens per second of each side and round, their
 per-round ratios, and both sides' losses (which must agree).
@@ -24,7 +24,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from common import SCRATCH, machine, on_worker, save  # type: ignore[import-not-found]
+from common import SCRATCH, default_device, machine, on_worker, save  # type: ignore[import-not-found]
 
 from snake import Placement, SnakeConfig, SnakeTrainer
 
@@ -58,9 +58,9 @@ def data(m: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-async def snake_side(model, batches, m: int, dtype: str) -> dict:
+async def snake_side(model, batches, m: int, dtype: str, device: str) -> dict:
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
-        cfg = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0, device="cpu",
+        cfg = SnakeConfig(micro_batches=m, offload_dir=d, placement=Placement.all_cpu(), alpha=0.0, device=device,
                           dtype=dtype)
         async with SnakeTrainer(model, data=batches, config=cfg) as t:
             report = await t.run(len(batches))
@@ -69,9 +69,14 @@ async def snake_side(model, batches, m: int, dtype: str) -> dict:
     return {"seconds": secs, "losses": [s.loss for s in report.steps], "adapters_held": held}
 
 
-def torch_side(model, batches, m: int) -> dict:
-    """Plain PyTorch on the PEFT model as it is: gradient accumulation, per-layer
-    checkpointing (transformers' own), torch's fused AdamW on the adapters."""
+def torch_side(model, batches, m: int, device: str) -> dict:
+    """Plain PyTorch on the PEFT model as it is, on `device` (the in-memory baseline):
+    gradient accumulation, per-layer checkpointing (transformers' own), torch's fused AdamW
+    on the adapters."""
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model = model.to(dev)
+    batches = [(x.to(dev), y.to(dev)) for x, y in batches]
     model.base_model.model.config.use_cache = False
     model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -79,6 +84,7 @@ def torch_side(model, batches, m: int) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
     secs, losses = [], []
     for x, y in batches:
+        sync()
         t0 = time.perf_counter()
         total = 0.0
         for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
@@ -88,6 +94,7 @@ def torch_side(model, batches, m: int) -> dict:
             total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         secs.append(time.perf_counter() - t0)
         losses.append(total)
     return {"seconds": secs[1:], "losses": losses}
@@ -99,7 +106,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--name", default="lora")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is a GPU, else cpu)")
     args = ap.parse_args()
+    device = args.device or default_device()
     SCRATCH.mkdir(parents=True, exist_ok=True)
     m = args.micro_batches
     tokens = m * MBS * SEQ
@@ -115,10 +124,11 @@ def main() -> None:
             for side in order:
                 model = copy.deepcopy(base)
                 if side == "snake":
-                    out = asyncio.run(snake_side(model, batches, m, "bfloat16" if dtype == torch.bfloat16 else "float32"))
+                    out = asyncio.run(snake_side(model, batches, m, "bfloat16" if dtype == torch.bfloat16 else "float32",
+                                                 device))
                     held = out["adapters_held"]
                 else:
-                    out = on_worker(torch_side, model, batches, m)
+                    out = on_worker(torch_side, model, batches, m, device)
                 sides[side].append(tokens / statistics.median(out["seconds"]))
                 losses[side] = out["losses"]
         ratios = [a / b for a, b in zip(sides["snake"], sides["torch"], strict=True)]
@@ -129,7 +139,7 @@ def main() -> None:
               f"{statistics.median(sides['torch']):7.0f} tok/s  snake/torch {row['ratio_median']:.2f} "
               f"[{min(ratios):.2f}-{max(ratios):.2f}]  adapters held: {held}  last losses "
               f"{losses['snake'][-1]:.4f} / {losses['torch'][-1]:.4f}", flush=True)
-    path = save(args.name, {"machine": machine(), "model": {"layers": LAYERS, "width": WIDTH, "ffn": FFN, "seq": SEQ,
+    path = save(args.name, {"machine": machine(), "device": device, "model": {"layers": LAYERS, "width": WIDTH, "ffn": FFN, "seq": SEQ,
                                                             "micro_batch_size": MBS, "lora": LORA},
                             "micro_batches": m, "rounds": args.rounds, "steps": args.steps, "rows": rows})
     print(f"wrote {path}")
