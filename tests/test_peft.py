@@ -136,6 +136,23 @@ async def test_fp32_adapters_of_a_bf16_model_clip_as_pytorch(tmp_path):
     assert_mixed_precision(got, want)
 
 
+@pytest.mark.asyncio
+async def test_held_adapters_resume_where_they_stopped(tmp_path):
+    """A checkpoint of a bf16 model's fp32 adapters (held with pre/post's, their AdamW state
+    in the resident state) resumes bit for bit."""
+    from snake import Placement
+    from tests.helpers import straight_and_resumed
+
+    model = lora(dtype=torch.bfloat16)
+    straight, resumed, _, manifest = await straight_and_resumed(
+        tmp_path, model, batches(4, 4, seq=16, vocab=VOCAB), 2, 2, micro_batches=2, dtype="bfloat16", alpha=0.3,
+        placement=Placement(param=0.5, ckpt=0.5, opt=0.5))
+    assert straight.keys() == resumed.keys()
+    for k, v in straight.items():
+        assert torch.equal(resumed[k], v), k
+    assert any("lora_A" in name for name, _ in manifest["model"]["resident_params"])
+
+
 def test_lora_on_a_streamed_model_is_refused(tmp_path):
     """stream_hf leaves the layers on the meta device, where PEFT makes its adapters too
     (uninitialised): refused by name, with the way (load_hf), where training failed later
