@@ -143,7 +143,8 @@ def _kind_seconds(
     """(forward, recompute, backward) seconds of `parts`' layers `layers` (one kind), cycling
     through copies of up to 8 of them (`new_block(layer)`)."""
     per_block = sum(p.numel() for p in parts.blocks[layers[0]].parameters()) * torch.empty((), dtype=dtype).element_size()
-    n_blocks = 1 if device.type == "cuda" else max(1, min(8, -(-64 * MiB // per_block)))
+    # (a block without parameters: one copy)
+    n_blocks = 1 if device.type == "cuda" or not per_block else max(1, min(8, -(-64 * MiB // per_block)))
     cycle = [layers[i % len(layers)] for i in range(n_blocks)]
     blocks = [new_block(layer).to(device=device, dtype=dtype) for layer in cycle]
     turn = [0]
@@ -161,7 +162,8 @@ def _kind_seconds(
     # gradient accumulation), so the profile includes what the compute actor really pays
     kernels = _kernels(parts, device, dtype)
     # as the device mover fills them: the trained parameters, then the streamed frozen ones
-    slots = [torch.cat([p.detach().reshape(-1) for p in [*trained(b), *(q for _, q in frozen_named(b))]])
+    slots = [torch.cat([p.detach().reshape(-1) for p in [*trained(b), *(q for _, q in frozen_named(b))]]
+                       or [torch.empty(0, device=device, dtype=dtype)])
              for b in blocks]
     acc = torch.zeros(kernels.layer_params, dtype=torch.float32, device=device)
 

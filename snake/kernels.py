@@ -563,7 +563,9 @@ class Kernels:
         None without `input_grad` (the lowest layer with a backward, where nothing below
         trains: not computed)."""
         params = self.trained(slot, layer)
-        x = self.layer_input(x, layer).detach().requires_grad_(input_grad)
+        # requiring grad whether or not its gradient is asked for, as in the forward
+        # (`block_fwd`): a kernel may pick its algorithm by requires_grad
+        x = self.layer_input(x, layer).detach().requires_grad_(True)
         held = [i for _, i in self.layer_held[layer]]
         wrt = [*([x] if input_grad else []), *params, *(self.res_dev[i] for i in held)]
         if not wrt:  # nothing to differentiate (no block trains anything): no recompute
@@ -577,7 +579,7 @@ class Kernels:
             grads = grads[: len(grads) - len(held)]
         kind = self.kinds[layer]
         n = self.kind_params[kind]
-        if not accumulate and n < acc.numel():  # a smaller kind's slot: no stale rest
+        if not accumulate and 0 < n < acc.numel():  # a smaller kind's slot: no stale rest (none read of an empty one)
             acc[n:].zero_()
         for i, (a, g) in enumerate(zip(acc[:n].split(self.kind_numels[kind]), grads[1:], strict=True)):
             if g is None:

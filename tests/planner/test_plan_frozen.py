@@ -73,3 +73,16 @@ def test_the_backward_loads_only_the_layers_that_have_one():
         same = dataclasses.replace(base, shape=dataclasses.replace(shape, bwd_layers=24))
         x = Placement(param=0.5, ckpt=0.5, opt=0.5)
         assert predict(same, 4, x, 0.3, schedule) == predict(full, 4, x, 0.3, schedule)
+
+
+def test_a_block_without_parameters_is_timed():
+    """A parameterless block (a layer of no elements) is probed as any other: it failed
+    building its device slot from no tensors (an audit's find)."""
+    import torch
+
+    from tests.test_model_checks import Tiny, parts
+
+    m = Tiny()
+    m.layers[1] = torch.nn.Identity()
+    fwd, rec, bwd = probes.block_seconds(None, 2, 16, torch.device("cpu"), torch.float32, 0.02, parts=describe(parts(m)))
+    assert all(t > 0 for t in (fwd, rec, bwd))
