@@ -67,6 +67,22 @@ async def test_lora_trains_as_plain_pytorch(tmp_path, given):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # PEFT's, on merging
+async def test_a_head_trained_beside_the_adapters_as_plain_pytorch(tmp_path, tie):
+    """PEFT's `modules_to_save=["lm_head"]`: a trained copy of the head beside the adapters
+    (its original frozen, and with it the embedding where they are tied), of a model whose
+    head is tied to the embedding or not."""
+    model = get_peft_model(make("llama", tie_word_embeddings=tie), LoraConfig(**LORA, modules_to_save=["lm_head"]))
+    base = model.get_base_model()
+    assert {n for n, p in base.named_parameters() if p.requires_grad and "lora_" not in n} == {
+        "lm_head.modules_to_save.default.weight"}  # the embedding frozen, tied or not
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(base, data, 2)
+    assert_matches(await train(model, data, tmp_path), want)
+
+
+@pytest.mark.asyncio
 async def test_trained_adapters_save_and_load_with_peft(tmp_path):
     model = lora()
     data = batches(3, 4, seq=16, vocab=VOCAB)
