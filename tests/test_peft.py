@@ -30,10 +30,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
-def lora(kind: str = "llama", dtype: torch.dtype = torch.float32, **kw) -> PeftModel:
-    """The test model of `kind` in `dtype` with LoRA adapters (PEFT's defaults: float32),
-    B away from its zero start (so that A gets gradients from the first step)."""
-    model = get_peft_model(make(kind, **kw).to(dtype), LoraConfig(**LORA))
+def lora(kind: str = "llama", dtype: torch.dtype = torch.float32, use_dora: bool = False, **kw) -> PeftModel:
+    """The test model of `kind` in `dtype` with LoRA adapters (PEFT's defaults: float32;
+    `use_dora`: DoRA's), B away from its zero start (so that A gets gradients from the first
+    step)."""
+    model = get_peft_model(make(kind, **kw).to(dtype), LoraConfig(**LORA, use_dora=use_dora))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,6 +78,26 @@ async def test_a_head_trained_beside_the_adapters_as_plain_pytorch(tmp_path, tie
     base = model.get_base_model()
     assert {n for n, p in base.named_parameters() if p.requires_grad and "lora_" not in n} == {
         "lm_head.modules_to_save.default.weight"}  # the embedding frozen, tied or not
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(base, data, 2)
+    assert_matches(await train(model, data, tmp_path), want)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["dora", "ia3"])
+async def test_other_adapters_train_as_plain_pytorch(tmp_path, kind):
+    """DoRA (LoRA with a learned magnitude, from the frozen base weight's norm, which it
+    reads from the streamed layer) and IA3 (learned scales of activations)."""
+    from peft import IA3Config
+
+    if kind == "dora":
+        model = lora(use_dora=True)
+    else:
+        model = get_peft_model(make("llama"), IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj",
+                               "down_proj"], feedforward_modules=["down_proj"]))
+    base = model.get_base_model()
+    marker = {"dora": "lora_magnitude_vector", "ia3": "ia3_l"}[kind]
+    assert any(marker in n for n, p in base.named_parameters() if p.requires_grad)
     data = batches(3, 4, seq=16, vocab=VOCAB)
     want = reference(base, data, 2)
     assert_matches(await train(model, data, tmp_path), want)
