@@ -125,6 +125,16 @@ def peft_base(model: object) -> nn.Module | None:
     other model."""
     if not type(model).__module__.startswith("peft.") or not callable(getattr(model, "get_base_model", None)):
         return None
+    configs = getattr(model, "peft_config", {})
+    prompt = [name for name, cfg in (configs.items() if isinstance(configs, dict) else ())
+              if getattr(cfg, "is_prompt_learning", False)]
+    if prompt:
+        raise ModelError(
+            f"model: PEFT adapter {prompt[0]!r} is {type(configs[prompt[0]]).__name__}, prompt learning, which "
+            "the PeftModel adds to the inputs outside its base model; snake trains the base model with "
+            "the adapters PEFT puts into its layers: use LoRA (peft.LoraConfig) or another adapter of "
+            "the layers (DoRA, IA3)"
+        )
     base = model.get_base_model()  # type: ignore[attr-defined]
     return base if isinstance(base, nn.Module) else None
 

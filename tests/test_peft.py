@@ -190,6 +190,19 @@ async def test_held_adapters_resume_where_they_stopped(tmp_path):
     assert any("lora_A" in name for name, _ in manifest["model"]["resident_params"])
 
 
+def test_prompt_learning_is_refused_by_name(tmp_path):
+    """Prompt tuning's virtual tokens are added to the inputs by the PeftModel, outside the
+    base model snake trains: refused with the way (an adapter of the layers), where it
+    would have trained nothing."""
+    from peft import PromptTuningConfig
+
+    model = get_peft_model(make("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ModelError, match=r"PEFT adapter 'default' is PromptTuningConfig, prompt learning.*"
+                                         r"use LoRA \(peft.LoraConfig\)"):
+        SnakeTrainer(model, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path))
+    assert not (tmp_path / "off").exists()
+
+
 def test_lora_on_a_streamed_model_is_refused(tmp_path):
     """stream_hf leaves the layers on the meta device, where PEFT makes its adapters too
     (uninitialised): refused by name, with the way (load_hf), where training failed later
