@@ -189,13 +189,10 @@ async def test_a_hugging_face_fine_tune_of_the_top_layers(tmp_path, how):
     assert_matches(got, want)
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
-async def test_checkpoints_no_backward_reads_are_not_written_to_ssd(tmp_path, schedule):
-    """Below the lowest layer with a backward a checkpoint only feeds the next forward
-    stage, from CPU memory: its SSD part is handed on unwritten. The SSD writes of the last
-    iteration are the checkpoints of the layers with a backward, and nothing is read back
-    but theirs; the weights are PyTorch's."""
+async def _top_fine_tune(tmp_path, schedule: str, alpha: float, placement: Placement) -> dict:
+    """Three steps of `frozen((0, 1))` with its embeddings frozen too (the backward down to
+    layer 2): the last iteration's traffic, the weights and PyTorch's, each layer's
+    checkpoint SSD bytes (its tails) and a checkpoint's bytes."""
     import asyncio
 
     from snake import SnakeConfig, SnakeTrainer
@@ -203,19 +200,31 @@ async def test_checkpoints_no_backward_reads_are_not_written_to_ssd(tmp_path, sc
     model = frozen((0, 1), embeddings=("wte", "wpe"))
     data = batches(3, 6)
     want, _ = reference(model, data, 3)
-    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=0.0, schedule=schedule,
-                      placement=Placement(param=1.0, ckpt=0.0, opt=1.0))
+    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=alpha, schedule=schedule,
+                      placement=placement)
     async with SnakeTrainer(model, data=data, config=cfg) as t:
         await asyncio.wait_for(t.run(3), timeout=60)
-        traffic = t.traffic()
-        got = await t.state_dict()
         store = t.engine.stores["ckpt"]
-        tails = {layer: sum(store.tail_bytes(u) for (lay, _m), u in store.units.items() if lay == layer)
-                 for layer in range(4)}
+        out = {"traffic": t.traffic(), "got": await t.state_dict(), "want": want,
+               "tails": {layer: sum(store.tail_bytes(u) for (lay, _m), u in store.units.items() if lay == layer)
+                         for layer in range(4)},
+               "unit": t.engine.ckpt_elems * store.esize}
+    return out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["vertical", "horizontal"])
+async def test_checkpoints_no_backward_reads_are_not_written_to_ssd(tmp_path, schedule):
+    """Below the lowest layer with a backward a checkpoint only feeds the next forward
+    stage, from CPU memory: its SSD part is handed on unwritten. The SSD writes of the last
+    iteration are the checkpoints of the layers with a backward, and nothing is read back
+    but theirs; the weights are PyTorch's."""
+    run = await _top_fine_tune(tmp_path, schedule, 0.0, Placement(param=1.0, ckpt=0.0, opt=1.0))
+    tails = run["tails"]
     assert all(tails.values())  # every checkpoint has an SSD part
-    assert traffic[("cpu", "ssd", "ckpt")] == tails[2] + tails[3]
-    assert traffic[("ssd", "cpu", "ckpt")] == tails[2] + tails[3]
-    assert_close_state(got, want)
+    assert run["traffic"][("cpu", "ssd", "ckpt")] == tails[2] + tails[3]
+    assert run["traffic"][("ssd", "cpu", "ckpt")] == tails[2] + tails[3]
+    assert_close_state(run["got"], run["want"])
 
 
 @pytest.mark.asyncio
@@ -225,25 +234,12 @@ async def test_only_the_checkpoints_a_stage_loads_are_stored(tmp_path, schedule)
     forward stage loads it (vertical: not the micro-batch that stays on the device between
     the stages; horizontal: none, the output stays on the device), and layer 0's input not
     at all: the device-to-host checkpoint bytes of the last iteration are those."""
-    import asyncio
-
-    from snake import SnakeConfig, SnakeTrainer
-
-    model = frozen((0, 1), embeddings=("wte", "wpe"))
-    data = batches(3, 6)
-    want, _ = reference(model, data, 3)
-    cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "off", micro_batches=3, alpha=0.3, schedule=schedule,
-                      placement=Placement(param=0.5, ckpt=0.5, opt=0.5))
-    async with SnakeTrainer(model, data=data, config=cfg) as t:
-        await asyncio.wait_for(t.run(3), timeout=60)
-        traffic = t.traffic()
-        got = await t.state_dict()
-        unit = t.engine.ckpt_elems * t.engine.stores["ckpt"].esize
+    run = await _top_fine_tune(tmp_path, schedule, 0.3, Placement(param=0.5, ckpt=0.5, opt=0.5))
     # layers 2 and 3 (a backward each): every micro-batch's input; layer 1: vertical's two
     # loaded by its forward stage; layer 0: none
     stored = 2 * 3 + (2 if schedule == "vertical" else 0)
-    assert traffic[("gpu", "cpu", "ckpt")] == stored * unit
-    assert_close_state(got, want)
+    assert run["traffic"][("gpu", "cpu", "ckpt")] == stored * run["unit"]
+    assert_close_state(run["got"], run["want"])
 
 
 @pytest.mark.asyncio
