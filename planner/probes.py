@@ -29,7 +29,6 @@ from snake.adapters import (
     layer_kinds,
     lowest_backward,
     materialize_block,
-    pre_trains,
     trained,
     vocab_size,
 )
@@ -120,7 +119,7 @@ def block_seconds(
         timed = [(count, t) for count, (_, t) in zip(kind_counts, timed, strict=True)]
         with_bwd = [count for count, _ in timed]
     else:  # the layers below the lowest that trains anything run no backward (lowest_backward)
-        lowest = lowest_backward(parts, pre_trains(parts))
+        lowest = lowest_backward(parts)
         with_bwd = [sum(1 for i, k in enumerate(kinds) if k == kind and i >= lowest) for kind in range(len(firsts))]
     n = sum(count for count, _ in timed)
     # per layer, over all n: the forward of every layer, the recompute and backward of those with one

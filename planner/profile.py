@@ -136,8 +136,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         kept_fp32_params,
         layer_numels,
         lowest_backward,
-        pre_trains,
-        resident_named_params,
+            resident_named_params,
         vocab_size,
     )
     from snake.kernels import TORCH_DTYPES
@@ -146,7 +145,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
     tokens = micro_batch_size * seq_len
     sizes = layer_numels(parts)
-    lowest = lowest_backward(parts, pre_trains(parts))
+    lowest = lowest_backward(parts)
     frozen = [sum(p.numel() for _, p in frozen_named(b)) for b in parts.blocks]  # streamed with the layer
     slots = [p + f for p, f in zip(sizes, frozen, strict=True)]
     return ModelShape(

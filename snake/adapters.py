@@ -528,12 +528,12 @@ def pre_trains(parts: ModelParts) -> bool:
         return bool(parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device)).requires_grad)
 
 
-def lowest_backward(parts: ModelParts, pre: bool) -> int:
+def lowest_backward(parts: ModelParts, pre: bool | None = None) -> int:
     """The lowest layer whose backward an iteration runs: 0 where `pre` trains a parameter
-    (`pre_trains`); else the lowest block that trains one, as autograd runs no backward
-    below it (frozen bottom layers and embedding); the last block where none does (the
-    head's gradient ends there)."""
-    if pre:
+    (`pre_trains`, probed where not given); else the lowest block that trains one, as
+    autograd runs no backward below it (frozen bottom layers and embedding); the last block
+    where none does (the head's gradient ends there)."""
+    if pre_trains(parts) if pre is None else pre:
         return 0
     return next((i for i, b in enumerate(parts.blocks) if any(q.requires_grad for q in b.parameters())),
                 len(parts.blocks) - 1)
