@@ -50,7 +50,7 @@ from snake.adapters import ModelParts, has_peft_layers, layer_kinds
 from snake.errors import DataError, ModelError, StorageError
 from snake.memory import fmt_size
 
-__all__ = ["describe_hf", "export_hf", "load_hf"]
+__all__ = ["describe_hf", "export_hf", "init_adapters", "load_hf", "stream_hf"]
 log = logging.getLogger("snake")
 
 # decoder-only models whose embedding (`model.embed_tokens`), layers (`model.layers`), final
@@ -157,12 +157,12 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
     if parts is None or weights is None:
         return parts
     if has_peft_layers(model):
-        raise ModelError(
-            "model: PEFT put adapters into the layers of a model from stream_hf, whose layer weights stay "
-            "in their files on the meta device (and so are the adapters, uninitialised); load the model "
-            "with snake.hf.load_hf(dir) before get_peft_model (snake then holds its frozen weights in CPU "
-            "memory, one copy in the compute dtype)"
-        )
+        # PEFT wrapped some of the layers' modules (`q_proj` is now `q_proj.base_layer`): the
+        # files hold them by their own names; the adapters it made beside them are on the
+        # meta device with the layers, uninitialised, until snake initialises them
+        weights = _PeftNames.of(weights)
+        parts = dataclasses.replace(parts, weights=weights)
+        _init_adapters(model, parts)
     # a layer parameter is on the meta device, or real because snake read it from the files
     # (frozen ones): one made real otherwise (model.to_empty) would train on whatever it holds
     for i, block in enumerate(parts.blocks):
@@ -1162,9 +1162,11 @@ class _LayerSource:
             sites = [(mod, attr, p) for mod in block.modules() for attr, p in mod._parameters.items() if p is not None]
             head = f"{self.prefix}{layer}."
             try:
-                self.load(list(self.stored[layer].values()))
-                return {n: p.detach().to(self.dtypes.get(head + n, p.dtype))
-                        for n, p in block.named_parameters() if not p.is_meta}
+                # transformers loads by the model's own names: PEFT's wrappers out of the way
+                with _peft_unwrapped(block):
+                    self.load(list(self.stored[layer].values()))
+                    return {n: p.detach().to(self.dtypes.get(head + n, p.dtype))
+                            for n, p in block.named_parameters() if not p.is_meta}
             finally:
                 for mod, attr, p in sites:
                     mod._parameters[attr] = p
@@ -1282,6 +1284,216 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, _Stored]) -> 
             )
 
     return load
+
+
+# -- PEFT adapters of a streamed model -------------------------------------------------------
+
+# the path components PEFT puts between a wrapped module and its own parameters: a tuner
+# layer's `base_layer` (LoRA, DoRA, IA3), `original_module` and the trained copies
+# `modules_to_save.<adapter>` of `modules_to_save` (a copy starts as the original)
+_PEFT_WRAPS = re.compile(r"(?<![^.])(?:base_layer|original_module|modules_to_save\.[^.]+)\.")
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name in a layer PEFT wrapped -> its name in the layer as stored."""
+    return _PEFT_WRAPS.sub("", name)
+
+
+class _PeftNames(Mapping[str, torch.Tensor]):
+    """One layer's stored weights (`_LayerSource`'s) by the names of the layer PEFT wrapped."""
+
+    def __init__(self, read: Mapping[str, torch.Tensor]) -> None:
+        self.read = read
+
+    @staticmethod
+    def of(weights: Callable[[int], Mapping[str, torch.Tensor]]) -> Callable[[int], Mapping[str, torch.Tensor]]:
+        return lambda layer: _PeftNames(weights(layer))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read[_unwrapped_name(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and _unwrapped_name(name) in self.read
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.read)
+
+    def __len__(self) -> int:
+        return len(self.read)
+
+
+def _peft_inner(module: nn.Module) -> nn.Module | None:
+    """The module a PEFT wrapper wraps (a tuner layer's base layer, `modules_to_save`'s
+    original), None for a module PEFT did not wrap."""
+    if not type(module).__module__.startswith("peft."):
+        return None
+    get_base = getattr(module, "get_base_layer", None)
+    inner = get_base() if callable(get_base) else getattr(module, "original_module", None)
+    return inner if isinstance(inner, nn.Module) and inner is not module else None
+
+
+def _unwrap(block: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Put each module PEFT wrapped in `block` in its wrapper's place; returns (parent,
+    name, wrapper) of each."""
+    swaps = []
+    for parent in list(block.modules()):
+        for name, child in list(parent._modules.items()):
+            inner = _peft_inner(child) if child is not None else None
+            if child is not None and inner is not None:
+                swaps.append((parent, name, child))
+                parent._modules[name] = inner
+    return swaps
+
+
+@contextlib.contextmanager
+def _peft_unwrapped(block: nn.Module) -> Iterator[None]:
+    """`block` with each module PEFT wrapped in its place, unwrapped, until the end."""
+    swaps = _unwrap(block)
+    try:
+        yield
+    finally:
+        for parent, name, child in reversed(swaps):
+            parent._modules[name] = child
+
+
+def _base_free(config: Any) -> bool:
+    """Whether a PEFT config's initialisation of its adapters reads no base weight: LoRA's
+    default (A as an nn.Linear, B zero), "gaussian" and none (False), without DoRA (whose
+    magnitude is the base weight's norm); IA3's (ones)."""
+    kind = type(config).__name__
+    if kind == "LoraConfig":
+        return not getattr(config, "use_dora", False) and config.init_lora_weights in (True, False, "gaussian")
+    return kind == "IA3Config"
+
+
+def init_adapters(model: nn.Module) -> int:
+    """Initialise the adapters PEFT put into the layers of a model from `stream_hf` (a
+    `PeftModel` or its base model) with PEFT's own initialisation, one layer at a time.
+
+    `get_peft_model` makes a layer's adapters beside its weights, which `stream_hf` leaves
+    in their files on the meta device, so the adapters are left there too, uninitialised.
+    Here each layer's adapters are made again by PEFT (`inject_adapter_in_model`, the
+    model's PEFT configs) on a copy of the layer whose weights are read from the files
+    where the initialisation reads them (DoRA's magnitude, PiSSA), else left unread; they
+    are put into the model's layer in the dtype PEFT gave them, and the layer's weights stay
+    in their files. Layer by layer in order, the adapters draw from torch's random
+    generator as `get_peft_model` draws for a model in memory: seeded alike just before,
+    they are the same. An initialisation that changes the base weights (PiSSA, OLoRA,
+    LoftQ, CorDA) is refused: the files keep the weights as they were.
+
+    `SnakeTrainer` calls it for a model whose adapters are not yet initialised; call it
+    yourself to choose when they draw. Returns the number of adapter tensors initialised
+    (0 where there are none left to initialise)."""
+    from snake.adapters import peft_base
+
+    base = peft_base(model) or model
+    parts = _describe_hf(base)
+    weights = getattr(base, "snake_layer_weights", None)
+    if parts is None or weights is None:
+        raise ModelError(
+            f"init_adapters: {type(base).__name__} is not a model from snake.hf.stream_hf; PEFT initialises "
+            "the adapters of a model in memory itself (get_peft_model)"
+        )
+    return _init_adapters(base, dataclasses.replace(parts, weights=_PeftNames.of(weights)))
+
+
+def _init_adapters(model: nn.Module, parts: ModelParts) -> int:
+    assert parts.weights is not None
+    configs = getattr(model, "peft_config", None)
+    made: list[tuple[nn.Module, str, nn.Parameter]] = []  # put in once every layer's are made
+    for i, block in enumerate(parts.blocks):
+        copy_ = copy.deepcopy(block)  # on the meta device: nothing allocated
+        _unwrap(copy_)  # the layer as stored
+        stored = {n for n, _ in copy_.named_parameters(remove_duplicate=False)}
+        todo = [(n, p) for n, p in block.named_parameters(remove_duplicate=False)
+                if p.is_meta and _unwrapped_name(n) not in stored]
+        if not todo:
+            continue
+        if not isinstance(configs, dict) or not configs:
+            raise ModelError(
+                f"model: {parts.blocks_prefix}.{i}.{todo[0][0]} of a model from stream_hf is on the meta device "
+                "and the files do not hold it, and the model has no PEFT config to initialise it with "
+                "(peft_config); make the adapters with peft.get_peft_model"
+            )
+        made += _init_layer(parts, i, block, copy_, todo, configs)
+    for mod, attr, p in made:
+        mod._parameters[attr] = p
+    return len(made)
+
+
+def _init_layer(parts: ModelParts, layer: int, block: nn.Module, copy_: nn.Module,
+                todo: list[tuple[str, nn.Parameter]], configs: dict[str, Any]
+                ) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Layer `layer`'s adapters `todo` (on the meta device), made by PEFT on `copy_`, a
+    copy of `block` as stored (unwrapped), given the stored weights here: (module of
+    `block`, attribute, parameter) of each."""
+    from peft import inject_adapter_in_model
+
+    from snake.adapters import layer_values
+
+    read = not all(_base_free(c) for c in configs.values())
+    # the copy's weights read from the files, or (where the initialisation does not read
+    # them) allocated and left as they are
+    named = [(n, p) for n, p in copy_.named_parameters(remove_duplicate=False) if p.is_meta]
+    if read:
+        values = layer_values(parts, layer, named)
+    else:
+        values = [torch.empty(p.shape, dtype=p.dtype) for _, p in named]
+    mods = dict(copy_.named_modules())
+    for (name, _), v in zip(named, values, strict=True):
+        mod_name, _, attr = name.rpartition(".")
+        mods[mod_name]._parameters[attr] = nn.Parameter(v, requires_grad=False)
+    before = {n: v.clone() for (n, _), v in zip(named, values, strict=True)} if read else {}
+    # PEFT finds its targets by their path in the model: the copy sits at the layer's path
+    root: nn.Module = nn.Module()
+    node = root
+    *path, last = f"{parts.blocks_prefix}.{layer}".split(".")
+    for step in path:
+        node.add_module(step, nn.Module())
+        node = node.get_submodule(step)
+    node.add_module(last, copy_)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's own notes on a model it sees again
+        for adapter, config in configs.items():
+            try:
+                inject_adapter_in_model(config, root, adapter_name=adapter)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                raise ModelError(
+                    f"model: PEFT could not make adapter {adapter!r} ({type(config).__name__}) of layer {layer} again "
+                    f"to initialise it ({str(e).strip().splitlines()[0][:300]}); load the model with "
+                    "snake.hf.load_hf(dir) before get_peft_model"
+                ) from None
+    made = dict(copy_.named_parameters(remove_duplicate=False))
+    for name, v in before.items():
+        now = made.get(_find_wrapped(made, name))
+        if now is not None and not torch.equal(now.detach(), v):
+            kinds = sorted({str(getattr(c, "init_lora_weights", type(c).__name__)) for c in configs.values()})
+            raise ModelError(
+                f"model: the adapters' initialisation ({', '.join(kinds)}) changes the base weight "
+                f"{parts.blocks_prefix}.{layer}.{name}, which stream_hf keeps in its files as stored; initialise "
+                "them so that the base stays (init_lora_weights=True, 'gaussian'), or load the model with "
+                "snake.hf.load_hf(dir) before get_peft_model"
+            )
+    mods = dict(block.named_modules())
+    out = []
+    for name, p in todo:
+        got = made.get(name)
+        if got is None or got.is_meta or tuple(got.shape) != tuple(p.shape):
+            raise ModelError(
+                f"model: PEFT made no {parts.blocks_prefix}.{layer}.{name} of shape {tuple(p.shape)} when it made "
+                "the layer's adapters again (its configs in model.peft_config differ from what made them); "
+                "load the model with snake.hf.load_hf(dir) before get_peft_model"
+            )
+        mod_name, _, attr = name.rpartition(".")
+        new = nn.Parameter(got.detach().to(p.dtype).clone(), requires_grad=p.requires_grad)
+        new.snake_read = True  # type: ignore[attr-defined]  # initialised by snake, not left by to_empty
+        out.append((mods[mod_name], attr, new))
+    return out
+
+
+def _find_wrapped(made: Mapping[str, Any], name: str) -> str:
+    """The name in a layer PEFT wrapped of its stored parameter `name`."""
+    return next((n for n in made if _unwrapped_name(n) == name and n != name), name)
 
 
 def _read(at: _Stored, dtype: torch.dtype | None) -> torch.Tensor:

@@ -152,8 +152,11 @@ class SnakeTrainer:
         """Bytes moved in the last finished iteration, by (src tier, dst tier, kind)."""
         return self.engine.traffic.last() if self.engine is not None else {}
 
-    async def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights with the keys and shapes of `model.state_dict()`."""
+    async def state_dict(self, *, trained_only: bool = False) -> dict[str, torch.Tensor]:
+        """fp32 master weights with the keys and shapes of `model.state_dict()`; with
+        `trained_only` only those of the trained parameters (requires_grad: a LoRA
+        fine-tune's adapters, which `model.load_state_dict(..., strict=False)` takes), so
+        that the frozen weights are neither copied nor, for a model from `stream_hf`, read."""
         self._check_usable()
         self._check_idle("state_dict")
         # a cancelled state_dict stops at its next layer or tensor: it only reads, so the
@@ -163,7 +166,8 @@ class SnakeTrainer:
         try:
             if self.engine is None:
                 with ThreadPoolExecutor(1, "snake-state", initializer=helper_thread_init(self.device)) as once:
-                    return await run_blocking(once, self._initial_state_dict, stop, on_cancel=stop.set)
+                    return await run_blocking(once, self._initial_state_dict, stop, trained_only,
+                                              on_cancel=stop.set)
             e = self.engine
             await self._flush("state_dict")
             pool = e.pools["opt"]
@@ -173,7 +177,7 @@ class SnakeTrainer:
                 # assembled off the event loop: large copies on its thread would give it an OpenMP
                 # team that slows a CPU device's kernels for the rest of the run
                 return await run_blocking(e.executors["io"], self._assemble_state_dict, e, scratch, stop,
-                                          on_cancel=stop.set)
+                                          trained_only, on_cancel=stop.set)
             finally:
                 if scratch is not None:
                     assert pool is not None
@@ -181,15 +185,17 @@ class SnakeTrainer:
         finally:
             self._end()
 
-    def _initial_state_dict(self, stop: threading.Event) -> dict[str, torch.Tensor]:
+    def _initial_state_dict(self, stop: threading.Event, trained_only: bool) -> dict[str, torch.Tensor]:
         sd = self.parts.model.state_dict()
+        if trained_only:
+            sd = {k: v for k, v in sd.items() if k in _trained_keys(self.parts.model)}
         prefix = self.parts.blocks_prefix + "."
         for i, block in enumerate(self.parts.blocks):  # layers on the meta device: read
             _check_stop(stop)
             named = [(n, p) for n, p in flat_named(block) if p.is_meta]
             for (n, _), v in zip(named, layer_values(self.parts, i, named), strict=True):
                 sd[f"{prefix}{i}.{n}"] = v
-        for name, v in frozen_values(self.parts).items():
+        for name, v in ({} if trained_only else frozen_values(self.parts)).items():
             if sd.get(name) is not None and sd[name].is_meta:
                 sd[name] = v
         out = {}
@@ -198,8 +204,8 @@ class SnakeTrainer:
             out[k] = v.detach().float().clone() if v.is_floating_point() else v.clone()
         return out
 
-    def _assemble_state_dict(self, e: Engine, scratch: HostBuffer | None,
-                             stop: threading.Event) -> dict[str, torch.Tensor]:
+    def _assemble_state_dict(self, e: Engine, scratch: HostBuffer | None, stop: threading.Event,
+                             trained_only: bool) -> dict[str, torch.Tensor]:
         """Each tensor copied once from the stores into its own: beside the result it holds
         one layer's master weights at a time (a state_dict of every layer's first held
         twice the model's fp32 state), their SSD tails read through `scratch`."""
@@ -225,8 +231,11 @@ class SnakeTrainer:
             offsets.append(here)
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}
+        keep = _trained_keys(model) if trained_only else None
         for key, value in model.state_dict().items():
             _check_stop(stop)
+            if keep is not None and key not in keep:
+                continue
             if alias.get(key) in resident:  # pre/post's, and the blocks' kept in float32
                 out[key] = e.kernels.resident_master(resident[alias[key]])
                 continue
@@ -549,3 +558,8 @@ def _check_on_step(on_step: object) -> None:
             "on_step", on_step, "is a coroutine function, which the trainer would call without awaiting",
             "pass a plain function; to do async work, start it there with asyncio.create_task",
         )
+
+
+def _trained_keys(model: nn.Module) -> set[str]:
+    """The names (every one of a tied weight) of the model's trained parameters."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}

@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from snake import ModelError, SnakeTrainer
 from snake.cli import main
-from snake.hf import stream_hf
+from snake.hf import init_adapters, load_hf, stream_hf
 from tests.helpers import batches, mixed_reference
 from tests.test_hf import (
     VOCAB,
@@ -24,6 +24,7 @@ from tests.test_hf import (
     reference,
     snake_config,
 )
+from tests.test_stream_hf import saved
 
 # (PEFT reads transformers' deprecated gradient-checkpointing flag)
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -203,12 +204,127 @@ def test_prompt_learning_is_refused_by_name(tmp_path):
     assert not (tmp_path / "off").exists()
 
 
-def test_lora_on_a_streamed_model_is_refused(tmp_path):
-    """stream_hf leaves the layers on the meta device, where PEFT makes its adapters too
-    (uninitialised): refused by name, with the way (load_hf), where training failed later
-    on a renamed base weight."""
-    make("llama").save_pretrained(str(tmp_path / "m"))
-    model = get_peft_model(stream_hf(tmp_path / "m"), LoraConfig(**LORA))
-    with pytest.raises(ModelError, match=r"PEFT put adapters into the layers of a model from stream_hf.*"
-                                         r"snake\.hf\.load_hf\(dir\) before get_peft_model"):
+# -- adapters of a model from stream_hf (its layer weights in their files) -------------------
+
+
+def streamed_lora(path, seed: int = 3, **kw) -> tuple[PeftModel, PeftModel]:
+    """(a LoRA model of the checkpoint at `path` loaded in memory, the same of it streamed),
+    their adapters drawn from one seed: the streamed one's initialised by snake; `kw` to
+    LoraConfig over LORA's (B drawn, "gaussian", so that A gets gradients from the first step)."""
+    config = {**LORA, "init_lora_weights": "gaussian", **kw}
+    torch.manual_seed(seed)
+    loaded = get_peft_model(load_hf(path), LoraConfig(**config))
+    streamed = get_peft_model(stream_hf(path), LoraConfig(**config))
+    adapters = [p for n, p in streamed.named_parameters() if p.requires_grad]
+    assert adapters and all(p.is_meta for p in adapters)  # where PEFT leaves them
+    torch.manual_seed(seed)
+    assert init_adapters(streamed) == len(adapters)
+    assert init_adapters(streamed) == 0  # once
+    return loaded, streamed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind,kw", [("llama", {}), ("llama", {"use_dora": True}),
+                                     ("mixtral", {"target_modules": ["q_proj", "v_proj"]})],
+                         ids=["lora", "dora", "mixtral-converted"])
+async def test_lora_on_a_streamed_model_trains_as_plain_pytorch(tmp_path, kind, kw):
+    """A model whose layer weights stay in their files (stream_hf) takes PEFT's adapters:
+    snake initialises them as PEFT does a model in memory (the same values from the same
+    seed; DoRA's magnitude from the stored weights), the frozen base weights stream from
+    their files, the adapters train as plain PyTorch's. Mixtral's experts are stored one by
+    one, which transformers converts with PEFT's wrappers out of its way."""
+    _, path = saved(kind, tmp_path)
+    loaded, streamed = streamed_lora(path, **kw)
+    base = streamed.get_base_model()
+    for n, p in loaded.get_base_model().named_parameters():
+        if p.requires_grad:
+            assert torch.equal(dict(base.named_parameters())[n], p), n
+    assert all(p.is_meta for n, p in base.named_parameters() if "base_layer" in n)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(loaded.get_base_model(), data, 2)
+    got = await train(streamed, data, tmp_path)
+    assert_matches(got, want)
+    assert all(p.is_meta or getattr(p, "snake_mapped", False) for n, p in base.named_parameters() if "base_layer" in n)
+
+
+@pytest.mark.asyncio
+async def test_fp32_adapters_of_a_streamed_bf16_model_train_as_those_of_one_in_memory(tmp_path):
+    """A bf16 checkpoint streamed, PEFT's fp32 adapters held on the device in float32, the
+    frozen bf16 weights mapped from a file of snake's: the same weights, bit for bit, as
+    the same model loaded in memory, and a trainer made before the adapters are initialised
+    initialises them itself, seeded as PEFT would be."""
+    make("llama").to(torch.bfloat16).save_pretrained(str(tmp_path / "m"))
+    config = {**LORA, "init_lora_weights": "gaussian"}
+    torch.manual_seed(5)
+    loaded = get_peft_model(load_hf(tmp_path / "m", dtype=torch.bfloat16), LoraConfig(**config))
+    streamed = get_peft_model(stream_hf(tmp_path / "m"), LoraConfig(**config))
+    assert {p.dtype for p in streamed.parameters() if p.requires_grad} == {torch.float32}
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    got = {}
+    for name, model in [("loaded", loaded), ("streamed", streamed)]:
+        torch.manual_seed(5)  # the streamed model's adapters draw when its trainer is made
+        cfg = snake_config(tmp_path / name, dtype="bfloat16")
+        async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+            await asyncio.wait_for(trainer.run(3), timeout=120)
+            got[name] = await trainer.state_dict(trained_only=True)
+            assert trainer.engine.layer_P == [0] * 3  # every adapter held
+            assert trainer.engine.kernels.frozen_mapped == (name == "streamed")
+    assert got["loaded"].keys() == got["streamed"].keys() == {
+        n for n, p in loaded.get_base_model().named_parameters() if p.requires_grad}
+    for n, v in got["loaded"].items():
+        assert torch.equal(got["streamed"][n], v), n
+
+
+@pytest.mark.asyncio
+async def test_adapters_of_a_streamed_model_save_with_peft_and_resume(tmp_path):
+    """The trained adapters alone (`state_dict(trained_only=True)`: the frozen weights are
+    not read) go into the PEFT model, which saves them with PEFT's save_pretrained; loaded
+    onto the checkpoint in memory they give the logits of plain PyTorch's training. A
+    snake checkpoint of the streamed model resumes bit for bit."""
+    _, path = saved("llama", tmp_path)
+    loaded, streamed = streamed_lora(path)
+    data = batches(4, 4, seq=16, vocab=VOCAB)
+    want = reference(loaded.get_base_model(), data[:3], 2)
+    cfg = snake_config(tmp_path / "a")
+    async with SnakeTrainer(streamed, data=data, config=cfg) as trainer:
+        before = await trainer.state_dict(trained_only=True)
+        assert before.keys() == {n for n, p in streamed.get_base_model().named_parameters() if p.requires_grad}
+        await asyncio.wait_for(trainer.run(2), timeout=120)
+        await trainer.save(tmp_path / "ckpt")
+        await asyncio.wait_for(trainer.run(1), timeout=120)
+        straight = await trainer.state_dict(trained_only=True)
+    assert_matches(straight, {n: want[n] for n in straight})
+    assert not all(torch.equal(before[n], straight[n]) for n in before)
+
+    again = get_peft_model(stream_hf(path), LoraConfig(**{**LORA, "init_lora_weights": "gaussian"}))
+    async with SnakeTrainer(again, data=data, config=snake_config(tmp_path / "b")) as trainer:
+        await trainer.load(tmp_path / "ckpt")
+        await asyncio.wait_for(trainer.run(1), timeout=120)
+        resumed = await trainer.state_dict(trained_only=True)
+    for n, v in straight.items():
+        assert torch.equal(resumed[n], v), n
+
+    streamed.get_base_model().load_state_dict(straight, strict=False)
+    streamed.save_pretrained(str(tmp_path / "adapter"))
+    model = PeftModel.from_pretrained(load_hf(path), str(tmp_path / "adapter"))
+    x = data[0][0]
+    with torch.no_grad():
+        loaded.get_base_model().load_state_dict(want)
+        torch.testing.assert_close(model.eval()(x).logits, loaded.eval()(x).logits, rtol=0, atol=1e-5)
+
+
+def test_an_initialisation_that_changes_the_base_weights_is_refused_on_a_streamed_model(tmp_path):
+    """PiSSA and OLoRA move the base weights' principal part into the adapters, where
+    stream_hf's files keep them as stored (PEFT itself fails on them at get_peft_model
+    unless low_cpu_mem_usage, which leaves the initialisation to snake): refused by name
+    before anything is set up or changed."""
+    _, path = saved("llama", tmp_path)
+    model = get_peft_model(stream_hf(path), LoraConfig(**{**LORA, "init_lora_weights": "pissa"}),
+                           low_cpu_mem_usage=True)
+    with pytest.raises(ModelError, match=r"initialisation \(pissa\) changes the base weight model\.layers\.0\."
+                                         r"self_attn\.q_proj\.weight.*init_lora_weights=True"):
         SnakeTrainer(model, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path))
+    assert all(p.is_meta for n, p in model.named_parameters() if p.requires_grad)  # nothing changed
+    assert not (tmp_path / "off").exists()
+    with pytest.raises(ModelError, match="init_adapters: LlamaForCausalLM is not a model from snake.hf.stream_hf"):
+        init_adapters(make("llama"))
