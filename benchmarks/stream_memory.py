@@ -18,6 +18,12 @@ benchmarks/results/stream_memory.json.
 projection frozen (requires_grad_(False)) before the trainer is made, so most of each layer
 streams from snake's CPU copy of the frozen weights, or for `stream_hf` where the load dtype
 is the compute dtype (float32 here) from a file snake maps.
+
+--peft: a LoRA fine-tune with PEFT instead (`get_peft_model`, rank 16 on every linear layer
+of the layers, PEFT's fp32 adapters), the adapters drawn from one seed both ways (snake
+initialises those of the streamed model, `snake.hf.init_adapters`, counted in the load).
+--compute: the compute dtype (float32, or bfloat16: then the streamed model's frozen bf16
+weights are mapped where loaded in their own dtype).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: bool) -> None:
+def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: bool, peft: bool, compute: str) -> None:
     """One run in this process; prints one JSON line."""
     import torch
     import transformers  # noqa: F401  (counted in the baseline)
@@ -64,6 +70,22 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     t0 = time.perf_counter()
     load_dtype = getattr(torch, dtype) if dtype != "auto" else "auto"
     model = load_hf(path, dtype=load_dtype) if way == "load_hf" else stream_hf(path, dtype=load_dtype)
+    if peft:
+        import warnings
+
+        from peft import LoraConfig, get_peft_model
+
+        from snake.hf import init_adapters
+
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, init_lora_weights="gaussian",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # PEFT reads a flag transformers 5 deprecates
+            model = get_peft_model(model, lora)
+        if way == "stream_hf":
+            torch.manual_seed(0)  # the adapters draw as get_peft_model's drew for the model in memory
+            init_adapters(model)
     loaded = time.perf_counter() - t0
     after_load = _status_kib("RssAnon")
     if frozen:
@@ -75,7 +97,7 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     data = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())
             for x in (torch.randint(0, vocab, (1, 33), generator=g) for _ in range(steps))]
     cfg = SnakeConfig(micro_batches=1, offload_dir=offload, placement=Placement.all_ssd(),
-                      alpha=0.0, device="cpu", dtype="float32")
+                      alpha=0.0, device="cpu", dtype=compute)
 
     async def go() -> tuple[list[float], list[float]]:
         async with SnakeTrainer(model, data=data, config=cfg) as trainer:
@@ -88,7 +110,7 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     done.set()
     sampler.join()
     print(json.dumps({
-        "way": way, "dtype": dtype, "frozen": frozen, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
+        "way": way, "dtype": dtype, "frozen": frozen, "peft": peft, "compute": compute, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
         "anon_after_load_mib": (after_load - base_anon) / 1024, "anon_peak_mib": (peaks["anon"] - base_anon) / 1024,
         "file_peak_mib": (peaks["file"] - base_file) / 1024, "baseline_anon_mib": base_anon / 1024,
     }))
@@ -120,11 +142,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--name", default="stream_memory", help="results/<name>.json")
     ap.add_argument("--frozen", action="store_true", help="freeze every layer parameter but the query projection")
+    ap.add_argument("--peft", action="store_true", help="a PEFT LoRA fine-tune (rank 16, every linear layer)")
+    ap.add_argument("--compute", default="float32", choices=["float32", "bfloat16"], help="the compute dtype")
     ap.add_argument("--child", nargs=5, metavar=("WAY", "PATH", "STEPS", "OFFLOAD", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.frozen and args.peft:
+        ap.error("--frozen or --peft, not both")
     if args.child:
         way, path, steps, offload, dtype = args.child
-        child(way, path, int(steps), offload, dtype, args.frozen)
+        child(way, path, int(steps), offload, dtype, args.frozen, args.peft, args.compute)
         return
     with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks" / "results") as tmp:
         path = Path(tmp) / "model"
@@ -138,7 +164,8 @@ def main() -> None:
                 off = Path(tmp) / f"off-{way}-{dtype}-{r}"
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", way, str(path), str(args.steps), str(off), dtype,
-                     *(["--frozen"] if args.frozen else [])],
+                     *(["--frozen"] if args.frozen else []), *(["--peft"] if args.peft else []),
+                     "--compute", args.compute],
                     cwd=ROOT, capture_output=True, text=True, timeout=900,
                 )
                 if out.returncode:
