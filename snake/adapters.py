@@ -453,13 +453,19 @@ def materialize_block(parts: ModelParts, layer: int, block: nn.Module, names: Se
 def frozen_values(parts: ModelParts) -> dict[str, torch.Tensor]:
     """The model's frozen parameters (requires_grad=False) by name, as `named_parameters`
     lists them, each as it is or, on the meta device, read through `parts.weights`."""
+    out = dict(iter_frozen(parts))
+    return {n: out[n] for n, p in parts.model.named_parameters() if not p.requires_grad}
+
+
+def iter_frozen(parts: ModelParts) -> Iterator[tuple[str, torch.Tensor]]:
+    """`frozen_values`' (name, value) pairs, those on the meta device read a layer at a
+    time as the iteration reaches them (not in `named_parameters`' order)."""
     prefix = parts.blocks_prefix + "."
-    out = {n: p.detach() for n, p in parts.model.named_parameters() if not p.requires_grad and not p.is_meta}
+    yield from ((n, p.detach()) for n, p in parts.model.named_parameters() if not p.requires_grad and not p.is_meta)
     for i, b in enumerate(parts.blocks):
         named = [(n, p) for n, p in b.named_parameters() if not p.requires_grad and p.is_meta]
         if named:
-            out.update({f"{prefix}{i}.{n}": v for (n, _), v in zip(named, layer_values(parts, i, named), strict=True)})
-    return {n: out[n] for n, p in parts.model.named_parameters() if not p.requires_grad}
+            yield from ((f"{prefix}{i}.{n}", v) for (n, _), v in zip(named, layer_values(parts, i, named), strict=True))
 
 
 def frozen_in_files(parts: ModelParts, dtype: torch.dtype) -> bool:

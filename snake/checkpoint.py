@@ -9,13 +9,17 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            in some steps for want of a gradient or by a dynamic loss
                            scale's overflow, and how many), `loss_scale` (a dynamic loss
                            scale's state: scale and growth_tracker; absent without one),
-                           and the size and sha256 of each file
+                           `frozen_stored` (whether resident.safetensors holds the frozen
+                           parameters; absent in older checkpoints, which do), and the
+                           size and sha256 of each file
   layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
                            named as in `model.state_dict()`
   resident.safetensors     the same for the resident (pre/post) parameters (tied weights once),
                            and `frozen/<name>` for every frozen parameter (requires_grad=False:
-                           never stepped; a load checks the model's against their digests),
+                           never stepped; a load checks the model's against their digests,
+                           which the manifest holds: not stored by `save(frozen=False)`,
+                           nor by default for a PEFT model, whose base is the user's),
                            and `buffer/<name>` for every buffer in `model.state_dict()` (a
                            layer's own scale or routing bias: `snake export` rebuilds the
                            model from its config, which does not hold them; a load leaves
@@ -53,6 +57,7 @@ import shutil
 import stat
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,6 +72,7 @@ from snake.adapters import (
     flat_named,
     frozen_values,
     has_peft_layers,
+    iter_frozen,
     layer_kinds,
     layer_specs,
     layer_values,
@@ -116,14 +122,20 @@ def layer_file(layer: int) -> str:
 
 
 # -- public entry points (SnakeTrainer.save / .load call these) -------------------------
-async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[str]) -> Path:
+async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[str], *,
+                          frozen: bool | None = None) -> Path:
     """Write the trainer's full training state to `directory` (atomically, replacing a
-    checkpoint already there). Works before the first run too (step 0, zero moments)."""
+    checkpoint already there). Works before the first run too (step 0, zero moments).
+    `frozen`: store the frozen parameters (default: unless the model is a PEFT model)."""
     trainer._check_usable()
     trainer._check_idle("save")
+    if frozen not in (None, True, False):
+        raise ConfigError("save(frozen=...)", frozen, "must be True, False or None (the default: stored unless the "
+                          "model is a PEFT model)")
+    store = not has_peft_layers(trainer.parts.model) if frozen is None else bool(frozen)
     target = _resolve(directory)
     _check_save_target(target)  # before the delayed steps are flushed: a bad path changes nothing
-    _check_save_space(trainer, target)
+    _check_save_space(trainer, target, store)
     trainer._begin()
     try:
         e = trainer.engine
@@ -139,6 +151,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "model": await _blocking(e, functools.partial(model_spec, trainer.parts)),
             "model_config": model_config(trainer.parts),
             "missed_steps": missed_steps(e) if e is not None else {},
+            "frozen_stored": store,
         }
         if e is not None and e.scaler is not None:
             manifest["loss_scale"] = e.scaler.state()
@@ -288,13 +301,24 @@ def model_spec(parts: ModelParts) -> dict[str, Any]:
     }
 
 
+# each trainer's frozen parameters' digests (by its ModelParts), taken once: they do not
+# change while it trains, and every save read the whole frozen base for them (a LoRA of a
+# large model: its size at sha256's ~1.5 GB/s, and from the disk where not cached)
+_DIGESTS: weakref.WeakKeyDictionary[ModelParts, dict[str, str]] = weakref.WeakKeyDictionary()
+_DIGESTS_LOCK = threading.Lock()
+
+
 def _frozen_spec(parts: ModelParts) -> dict[str, Any]:
-    """The frozen parameters' digests (sha256 of their bytes): they are not stored (they do
-    not change), so a load checks that the model it is given holds the same."""
-    frozen = frozen_values(parts)  # read where a streamed model has them on the meta device
-    if not frozen:
-        return {}
-    return {"frozen_params": {n: _digest(p) for n, p in sorted(frozen.items())}}
+    """The frozen parameters' digests (sha256 of their bytes), so that a load checks that
+    the model it is given holds the same (the checkpoint need not store them)."""
+    with _DIGESTS_LOCK:
+        digests = _DIGESTS.get(parts)
+    if digests is None:  # (one save or load of a trainer at a time)
+        # a layer at a time where a streamed model has them on the meta device
+        digests = {n: _digest(p) for n, p in iter_frozen(parts)}
+        with _DIGESTS_LOCK:
+            _DIGESTS[parts] = digests
+    return {"frozen_params": dict(sorted(digests.items()))} if digests else {}
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -362,6 +386,8 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
     _check_model_record(manifest["model"], n_layer, damaged)
     _check_missed_steps(manifest, n_layer, damaged)
     _check_loss_scale(manifest, damaged)
+    if not isinstance(manifest.get("frozen_stored", True), bool):
+        raise damaged("frozen_stored", manifest["frozen_stored"], "must be true or false")
     files: dict[str, Any] = manifest["files"]
     for name, info in files.items():
         if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
@@ -586,7 +612,7 @@ def _save_blocking(
             check_stop()
             files[layer_file(layer)] = _write_tensors(tmp / layer_file(layer), read_layer(layer), meta)
         check_stop()
-        files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts), meta)
+        files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts, manifest["frozen_stored"]), meta)
         check_stop()
         files[RNG] = _write_tensors(tmp / RNG, {k: v.contiguous() for k, v in rng.items()}, meta)
         manifest = {**manifest, "files": files}
@@ -706,7 +732,7 @@ def layer_tensors(parts: ModelParts, layer: int, stacked: torch.Tensor) -> dict[
     return out
 
 
-def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Tensor]:
+def resident_tensors(e: Engine | None, parts: ModelParts, frozen: bool = True) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     # the state on SSD: read into a mapping of a scratch file, not into the process's memory
     snap = None
@@ -722,9 +748,9 @@ def resident_tensors(e: Engine | None, parts: ModelParts) -> dict[str, torch.Ten
             comps = (master, torch.zeros_like(master), torch.zeros_like(master))
         for comp, t in zip(COMPS, comps, strict=True):
             out[f"{comp}/{name}"] = t.view(p.shape)  # each its own tensor: no copy needed
-    # frozen parameters, as they are (a load checks the model's against their digests;
-    # `snake export` takes them from here)
-    for name, t in frozen_values(parts).items():
+    # frozen parameters, as they are, where stored (a load checks the model's against
+    # their digests; `snake export` takes them from here)
+    for name, t in (frozen_values(parts) if frozen else {}).items():
         out[f"frozen/{name}"] = t.to("cpu").contiguous()
     for name, t in state_buffers(parts.model).items():
         out[f"buffer/{name}"] = t.detach().to("cpu").contiguous()
@@ -813,16 +839,17 @@ def _check_save_target(target: Path) -> None:
             return
 
 
-def checkpoint_bytes(parts: ModelParts) -> int:
+def checkpoint_bytes(parts: ModelParts, frozen: bool = True) -> int:
     """The tensor bytes of a checkpoint of `parts` (its files hold these plus small headers):
-    master, m and v in fp32 of every trained parameter, and the frozen ones as they are."""
+    master, m and v in fp32 of every trained parameter, and (`frozen`) the frozen ones as
+    they are."""
     trained = sum(s.numel() for spec in layer_specs(parts) for _, s in spec)
     trained += sum(p.numel() for _, p in resident_named_params(parts))
-    frozen = sum(p.numel() * p.element_size() for _, p in parts.model.named_parameters() if not p.requires_grad)
-    return 3 * 4 * trained + frozen
+    held = sum(p.numel() * p.element_size() for _, p in parts.model.named_parameters() if not p.requires_grad)
+    return 3 * 4 * trained + (held if frozen else 0)
 
 
-def _check_save_space(trainer: SnakeTrainer, target: Path) -> None:
+def _check_save_space(trainer: SnakeTrainer, target: Path, frozen: bool) -> None:
     """Before the delayed steps are flushed: refuse a save that cannot fit. The new
     checkpoint is written whole before it replaces one already at `target` (that one still
     takes its space); a leftover temporary directory of an earlier save is removed first. With
@@ -832,7 +859,7 @@ def _check_save_space(trainer: SnakeTrainer, target: Path) -> None:
     disk = next(p for p in (target, *target.parents) if p.exists())
     # per file system (st_dev): where, and what the save writes there
     needs: dict[int, tuple[Path, list[tuple[str, int]]]] = {
-        disk.stat().st_dev: (disk, [("the checkpoint", checkpoint_bytes(trainer.parts))])}
+        disk.stat().st_dev: (disk, [("the checkpoint", checkpoint_bytes(trainer.parts, frozen))])}
     e = trainer.engine
     if e is not None and e.kernels.res_store is not None:
         scratch = 3 * 4 * sum(s.numel() for s in e.kernels.res_shapes)

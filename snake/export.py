@@ -84,10 +84,16 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
     if kind == "transformers+peft":
         raise SnakeError(
             f"export: {checkpoint} is of a PEFT model (adapters in its layers, which its config does not "
-            "build); save them in the process that trains it: "
-            "peft_model.get_base_model().load_state_dict(await trainer.state_dict()), then "
+            "build); save them in the process that trains it: peft_model.get_base_model().load_state_dict("
+            "await trainer.state_dict(trained_only=True), strict=False), then "
             "peft_model.save_pretrained(out) (or peft_model.merge_and_unload().save_pretrained(out) for "
             "the whole model)"
+        )
+    if manifest.get("frozen_stored", True) is False:
+        raise SnakeError(
+            f"export: {checkpoint} was saved without its frozen parameters (save(frozen=False)), which the "
+            "model its config builds needs; export in the process that trained it with "
+            "snake.hf.export_hf(await trainer.state_dict(), model, out), or save with frozen=True"
         )
     if kind == "snake.gpt":
         hf_config, sd = gpt_to_gpt2(config, masters)

@@ -267,13 +267,16 @@ class SnakeTrainer:
 
         return await evaluate_model(self, data, max_batches, batches_per_pass)
 
-    async def save(self, directory: Any) -> None:
+    async def save(self, directory: Any, *, frozen: bool | None = None) -> None:
         """Write a checkpoint to `directory` (atomically; see snake.checkpoint): fp32 master
         weights, AdamW state, step, RNG state, data position. Pending delayed optimizer
-        steps are applied first."""
+        steps are applied first. `frozen`: whether it holds the frozen parameters too
+        (`snake export` builds the whole model from them; a load checks the model's against
+        their digests either way); by default it does, but not for a PEFT model, whose
+        adapters `snake export` cannot build, so that a LoRA checkpoint holds what trains."""
         from snake.checkpoint import save_checkpoint
 
-        await save_checkpoint(self, directory)
+        await save_checkpoint(self, directory, frozen=frozen)
 
     async def load(self, directory: Any, *, skip_data: bool = True) -> None:
         """Resume from a checkpoint: on a new trainer, before `run`. Checks the checkpoint

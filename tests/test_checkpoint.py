@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake.checkpoint as ckpt
@@ -738,21 +739,24 @@ async def test_layers_of_several_kinds_resume_exactly_and_are_checked_per_layer(
     await asyncio.wait_for(body(), TIMEOUT)
 
 
+def frozen_model(seed: int):
+    """The test GPT with its positions and one projection frozen, their values the same
+    whatever `seed` (the rest's)."""
+    m = model(seed=seed)
+    torch.manual_seed(77)
+    with torch.no_grad():
+        m.wpe.weight.normal_()
+        m.blocks[1].attn.c_proj.weight.normal_()
+    m.wpe.weight.requires_grad_(False)
+    m.blocks[1].attn.c_proj.weight.requires_grad_(False)
+    return m
+
+
 @pytest.mark.asyncio
 async def test_frozen_parameters_resume_exactly_and_must_match(tmp_path):
-    """Frozen parameters are not stored (they do not change): the manifest keeps their
-    digests, a resume with the same frozen values is bitwise the uninterrupted run, and a
-    model whose frozen values differ (or that freezes others) is refused naming one."""
-
-    def frozen_model(seed: int):
-        m = model(seed=seed)
-        torch.manual_seed(77)  # the frozen values: the same whatever the seed of the rest
-        with torch.no_grad():
-            m.wpe.weight.normal_()
-            m.blocks[1].attn.c_proj.weight.normal_()
-        m.wpe.weight.requires_grad_(False)
-        m.blocks[1].attn.c_proj.weight.requires_grad_(False)
-        return m
+    """Frozen parameters are stepped never: the manifest keeps their digests, a resume with
+    the same frozen values is bitwise the uninterrupted run, and a model whose frozen values
+    differ (or that freezes others) is refused naming one."""
 
     async def body():
         data = batches(4, 4)
@@ -783,6 +787,58 @@ async def test_frozen_parameters_resume_exactly_and_must_match(tmp_path):
                 await t.load(where)
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_without_its_frozen_parameters_resumes_and_export_refuses_it(tmp_path, monkeypatch):
+    """`save(frozen=False)` stores no frozen parameter (the default for a PEFT model, whose
+    checkpoint then holds what trains: tests/test_peft.py): it resumes bit for bit, checks
+    the model's frozen values against the digests, and `snake export`, which needs them,
+    refuses it with the way. The digests are taken once per trainer (every save read the
+    whole frozen base for them); a bad `frozen` is refused before anything is written."""
+    from snake.cli import main
+
+    digested = []
+    digest = ckpt._digest
+    monkeypatch.setattr(ckpt, "_digest", lambda t: digested.append(t.shape) or digest(t))
+
+    async def body():
+        data = batches(4, 4)
+        async with SnakeTrainer(frozen_model(0), data=data, config=config(tmp_path, "straight")) as t:
+            await t.run(4)
+            want = await t.state_dict()
+        async with SnakeTrainer(frozen_model(0), data=data, config=config(tmp_path, "first")) as t:
+            with pytest.raises(ConfigError, match=r"save\(frozen=...\)='no' must be True, False or None"):
+                await t.save(tmp_path / "bad", frozen="no")
+            await t.run(2)
+            await t.save(tmp_path / "with", frozen=True)
+            assert len(digested) == 2  # the two frozen parameters
+            await t.save(tmp_path / "ckpt", frozen=False)
+            assert len(digested) == 2  # not again
+        assert not (tmp_path / "bad").exists()
+        stored = {}
+        for name in ("with", "ckpt"):
+            with safe_open(str(tmp_path / name / "resident.safetensors"), framework="pt") as f:
+                stored[name] = sorted(k for k in f.keys() if k.startswith("frozen/"))
+            manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+            assert manifest["frozen_stored"] == (name == "with")
+            assert sorted(manifest["model"]["frozen_params"]) == ["blocks.1.attn.c_proj.weight", "wpe.weight"]
+        assert stored == {"with": ["frozen/blocks.1.attn.c_proj.weight", "frozen/wpe.weight"], "ckpt": []}
+        async with SnakeTrainer(frozen_model(123), data=data, config=config(tmp_path, "second")) as t:
+            await t.load(tmp_path / "ckpt")
+            await t.run(2)
+            assert_equal_state(await t.state_dict(), want)
+        other = frozen_model(0)
+        with torch.no_grad():
+            other.wpe.weight.add_(1.0)
+        async with SnakeTrainer(other, data=data, config=config(tmp_path, "third")) as t:
+            with pytest.raises(ConfigError, match="frozen and differs"):
+                await t.load(tmp_path / "ckpt")
+
+    await asyncio.wait_for(body(), TIMEOUT)
+    assert main(["export", str(tmp_path / "with"), "--hf", str(tmp_path / "hf-with")]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) != 0
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.asyncio

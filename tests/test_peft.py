@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import safe_open
 
 from snake import ModelError, SnakeTrainer
 from snake.cli import main
@@ -295,6 +297,11 @@ async def test_adapters_of_a_streamed_model_save_with_peft_and_resume(tmp_path):
         straight = await trainer.state_dict(trained_only=True)
     assert_matches(straight, {n: want[n] for n in straight})
     assert not all(torch.equal(before[n], straight[n]) for n in before)
+    # a PEFT model's checkpoint holds what trains, not the frozen base (its digests only)
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["frozen_stored"] is False and manifest["model"]["frozen_params"]
+    with safe_open(str(tmp_path / "ckpt" / "resident.safetensors"), framework="pt") as f:
+        assert not [k for k in f.keys() if k.startswith("frozen/")]
 
     again = get_peft_model(stream_hf(path), LoraConfig(**{**LORA, "init_lora_weights": "gaussian"}))
     async with SnakeTrainer(again, data=data, config=snake_config(tmp_path / "b")) as trainer:
