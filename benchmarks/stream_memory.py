@@ -22,6 +22,9 @@ is the compute dtype (float32 here) from a file snake maps.
 --peft: a LoRA fine-tune with PEFT instead (`get_peft_model`, rank 16 on every linear layer
 of the layers, PEFT's fp32 adapters), the adapters drawn from one seed both ways (snake
 initialises those of the streamed model, `snake.hf.init_adapters`, counted in the load).
+With --peft each run then saves three checkpoints, timed: with the frozen base
+(`save(frozen=True)`) twice (the frozen digests are taken at the first), and as a PEFT
+model's by default, without it.
 --compute: the compute dtype (float32, or bfloat16: then the streamed model's frozen bf16
 weights are mapped where loaded in their own dtype).
 """
@@ -99,9 +102,18 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     cfg = SnakeConfig(micro_batches=1, offload_dir=offload, placement=Placement.all_ssd(),
                       alpha=0.0, device="cpu", dtype=compute)
 
+    saves: list[dict[str, float]] = []
+
     async def go() -> tuple[list[float], list[float]]:
         async with SnakeTrainer(model, data=data, config=cfg) as trainer:
             report = await trainer.run(steps)
+            if peft:  # checkpoints: with the frozen base (twice: the digests are taken once), without
+                for i, frozen in enumerate((True, True, None)):
+                    where = Path(offload) / f"ckpt-{i}"
+                    t = time.perf_counter()
+                    await trainer.save(where, frozen=frozen)
+                    saves.append({"frozen": bool(frozen), "seconds": time.perf_counter() - t,
+                                  "mib": sum(f.stat().st_size for f in where.iterdir()) / 2**20})
             return [s.loss for s in report.steps], [s.seconds for s in report.steps]
 
     t1 = time.perf_counter()
@@ -113,6 +125,7 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
         "way": way, "dtype": dtype, "frozen": frozen, "peft": peft, "compute": compute, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
         "anon_after_load_mib": (after_load - base_anon) / 1024, "anon_peak_mib": (peaks["anon"] - base_anon) / 1024,
         "file_peak_mib": (peaks["file"] - base_file) / 1024, "baseline_anon_mib": base_anon / 1024,
+        "saves": saves,
     }))
 
 
@@ -176,6 +189,9 @@ def main() -> None:
                       f"+{row['anon_after_load_mib']:5.0f} MiB, peak +{row['anon_peak_mib']:5.0f} MiB  file pages peak "
                       f"+{row['file_peak_mib']:4.0f} MiB  steps {[round(s, 1) for s in row['step_s']]} s  "
                       f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
+                for save_ in row["saves"]:
+                    print(f"    save {'with' if save_['frozen'] else 'without'} the frozen base: "
+                          f"{save_['seconds']:5.2f} s, {save_['mib']:6.0f} MiB", flush=True)
     result = {"machine": machine(), "params": n_params, "layer_params": n_layers, "args": vars(args), "runs": runs}
     print(f"saved {save(args.name, result)}")
 

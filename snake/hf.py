@@ -19,8 +19,9 @@ recompute of a layer draws the same masks as its forward.
 
 `load_hf` builds a model from a config or a local directory; `stream_hf` loads the model in a
 local directory with its layers' weights left in their safetensors files until snake copies
-them into its tiers; `export_hf` writes trained weights as a directory `from_pretrained`
-loads (safetensors).
+them into its tiers (PEFT's adapters on such a model are initialised by `init_adapters`,
+which the trainer calls); `export_hf` writes trained weights as a directory
+`from_pretrained` loads (safetensors).
 """
 
 from __future__ import annotations
