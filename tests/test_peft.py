@@ -227,14 +227,16 @@ def streamed_lora(path, seed: int = 3, **kw) -> tuple[PeftModel, PeftModel]:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind,kw", [("llama", {}), ("llama", {"use_dora": True}),
+                                     ("llama", {"layers_to_transform": [1], "layers_pattern": "layers"}),
                                      ("mixtral", {"target_modules": ["q_proj", "v_proj"]})],
-                         ids=["lora", "dora", "mixtral-converted"])
+                         ids=["lora", "dora", "middle-layer-only", "mixtral-converted"])
 async def test_lora_on_a_streamed_model_trains_as_plain_pytorch(tmp_path, kind, kw):
     """A model whose layer weights stay in their files (stream_hf) takes PEFT's adapters:
     snake initialises them as PEFT does a model in memory (the same values from the same
     seed; DoRA's magnitude from the stored weights), the frozen base weights stream from
-    their files, the adapters train as plain PyTorch's. Mixtral's experts are stored one by
-    one, which transformers converts with PEFT's wrappers out of its way."""
+    their files, the adapters train as plain PyTorch's. PEFT finds the layers it adapts by
+    their path (`layers_to_transform`), and Mixtral's experts are stored one by one, which
+    transformers converts with PEFT's wrappers out of its way."""
     _, path = saved(kind, tmp_path)
     loaded, streamed = streamed_lora(path, **kw)
     base = streamed.get_base_model()
