@@ -470,14 +470,14 @@ def iter_frozen(parts: ModelParts) -> Iterator[tuple[str, torch.Tensor]]:
 
 def frozen_in_files(parts: ModelParts, dtype: torch.dtype) -> bool:
     """Whether the blocks' streamed frozen parameters (`frozen_named`) are still in the
-    files `parts.weights` reads (on the meta device), or already in a file an earlier
-    trainer mapped (`snake_mapped`), all of the compute dtype `dtype`: the runtime then keeps
-    them in a file of its own, mapped, rather than in CPU memory (`Kernels.map_frozen`), and
-    the memory model does not count them."""
+    files `parts.weights` reads (on the meta device, of any dtype), or already in a file of
+    the compute dtype `dtype` an earlier trainer mapped (`snake_mapped`): the runtime then
+    keeps them in a file of its own, mapped, in `dtype`, rather than in CPU memory
+    (`Kernels.map_frozen`), and the memory model does not count them."""
     if parts.weights is None:
         return False
     frozen = [p for b in parts.blocks for _, p in frozen_named(b)]
-    return bool(frozen) and all((p.is_meta or getattr(p, "snake_mapped", False)) and p.dtype == dtype
+    return bool(frozen) and all(p.is_meta or (getattr(p, "snake_mapped", False) and p.dtype == dtype)
                                 for p in frozen)
 
 

@@ -144,8 +144,8 @@ class Kernels:
         self.kind_frozen_shapes: list[list[torch.Size]] = []
         self.kind_frozen_numels: list[list[int]] = []
         self.frozen_host: list[torch.Tensor | None] = [None for _ in blocks]
-        # a streamed model's frozen parameters still in its files, of the compute dtype: each
-        # layer's flat copy is written to a file of snake's own and mapped (`map_frozen`), so
+        # a streamed model's frozen parameters still in its files: each layer's flat copy in
+        # the compute dtype is written to a file of snake's own and mapped (`map_frozen`), so
         # the kernel's page cache holds them, not the process (a LoRA-style fine-tune of a
         # model larger than CPU memory)
         self.frozen_mapped = frozen_copies and frozen_in_files(parts, self.dtype)
@@ -282,8 +282,10 @@ class Kernels:
         written to `directory`/frozen-<layer>.bin in the compute dtype and mapped as
         `frozen_host[layer]` (the file unlinked at once: its pages live as long as the
         mapping); a layer an earlier trainer mapped keeps its mapping. The model's parameters
-        are pointed at the mappings once every layer is mapped (a failure part-way leaves the
-        model as it was, as does Stopped, raised before the next layer once `stop` is set)."""
+        of the compute dtype are pointed at the mappings once every layer is mapped (a
+        failure part-way leaves the model as it was, as does Stopped, raised before the next
+        layer once `stop` is set); those of another dtype stay in their files (on the meta
+        device), where a second trainer reads them again."""
         if not self.frozen_mapped:
             return
         blocks = list(self.parts.blocks)
@@ -317,7 +319,8 @@ class Kernels:
                 path.unlink(missing_ok=True)
             del flat
             hosts[layer] = mapped
-            swaps.append((block, named, mapped))
+            if all(p.dtype == self.dtype for _, p in named):
+                swaps.append((block, named, mapped))
         for layer, host in hosts.items():
             self.frozen_host[layer] = host
         for block, named, mapped in swaps:

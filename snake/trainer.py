@@ -231,6 +231,7 @@ class SnakeTrainer:
             offsets.append(here)
         prefix = self.parts.blocks_prefix + "."
         out: dict[str, torch.Tensor] = {}
+        frozen_read: tuple[int, dict[str, torch.Tensor]] | None = None  # a layer's, read from the files
         keep = _trained_keys(model) if trained_only else None
         for key, value in model.state_dict().items():
             _check_stop(stop)
@@ -249,6 +250,12 @@ class SnakeTrainer:
                     o, shape = offsets[i][pname]
                     out[key] = held[1][o : o + shape.numel()].view(shape).clone()
                     continue
+            if value.is_meta and key.startswith(prefix):  # frozen, left in a streamed model's files
+                i_str, _, pname = key[len(prefix) :].partition(".")
+                if frozen_read is None or frozen_read[0] != int(i_str):
+                    frozen_read = None
+                    frozen_read = (int(i_str), _meta_values(self.parts, int(i_str)))
+                value = frozen_read[1][pname]
             # buffers and frozen parameters, as they are: fp32 as before the first run
             out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
         return out
@@ -566,3 +573,10 @@ def _check_on_step(on_step: object) -> None:
 def _trained_keys(model: nn.Module) -> set[str]:
     """The names (every one of a tied weight) of the model's trained parameters."""
     return {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _meta_values(parts: ModelParts, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s parameters on the meta device (frozen ones a streamed model left in
+    its files), read, by their names in the block."""
+    named = [(n, p) for n, p in parts.blocks[layer].named_parameters(remove_duplicate=False) if p.is_meta]
+    return {n: v for (n, _), v in zip(named, layer_values(parts, layer, named), strict=True)}
