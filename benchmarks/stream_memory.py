@@ -11,7 +11,8 @@ steps. Reports the process's anonymous memory (RssAnon: what the kernel cannot d
 the load and its peak over the run (sampled every 20 ms), the file-backed pages it maps
 (RssFile: clean pages of the safetensors files, which the kernel can drop under pressure)
 at their peak, each above what the process had after importing torch and transformers, and
-the seconds of the load and of each step. The ways alternate, `--rounds` times. Writes
+the seconds of the load and of each step (the peak leaves out what follows the steps: with
+--peft the saves, whose peak is reported apart). The ways alternate, `--rounds` times. Writes
 benchmarks/results/stream_memory.json.
 
 --frozen: a LoRA-style fine-tune instead: every layer parameter but the attention's query
@@ -107,6 +108,8 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     async def go() -> tuple[list[float], list[float]]:
         async with SnakeTrainer(model, data=data, config=cfg) as trainer:
             report = await trainer.run(steps)
+            peaks["train"] = peaks["anon"]  # the saves' own peak apart
+            peaks["anon"] = _status_kib("RssAnon")
             if peft:  # checkpoints: with the frozen base (twice: the digests are taken once), without
                 for i, frozen in enumerate((True, True, None)):
                     where = Path(offload) / f"ckpt-{i}"
@@ -123,7 +126,8 @@ def child(way: str, path: str, steps: int, offload: str, dtype: str, frozen: boo
     sampler.join()
     print(json.dumps({
         "way": way, "dtype": dtype, "frozen": frozen, "peft": peft, "compute": compute, "load_s": loaded, "run_s": run_s, "step_s": step_s, "losses": losses,
-        "anon_after_load_mib": (after_load - base_anon) / 1024, "anon_peak_mib": (peaks["anon"] - base_anon) / 1024,
+        "anon_after_load_mib": (after_load - base_anon) / 1024, "anon_peak_mib": (peaks["train"] - base_anon) / 1024,
+        "anon_peak_saves_mib": (peaks["anon"] - base_anon) / 1024,
         "file_peak_mib": (peaks["file"] - base_file) / 1024, "baseline_anon_mib": base_anon / 1024,
         "saves": saves,
     }))
@@ -189,6 +193,8 @@ def main() -> None:
                       f"+{row['anon_after_load_mib']:5.0f} MiB, peak +{row['anon_peak_mib']:5.0f} MiB  file pages peak "
                       f"+{row['file_peak_mib']:4.0f} MiB  steps {[round(s, 1) for s in row['step_s']]} s  "
                       f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
+                if row["saves"]:
+                    print(f"    anonymous peak while saving +{row['anon_peak_saves_mib']:5.0f} MiB", flush=True)
                 for save_ in row["saves"]:
                     print(f"    save {'with' if save_['frozen'] else 'without'} the frozen base: "
                           f"{save_['seconds']:5.2f} s, {save_['mib']:6.0f} MiB", flush=True)

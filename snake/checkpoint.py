@@ -9,17 +9,18 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            in some steps for want of a gradient or by a dynamic loss
                            scale's overflow, and how many), `loss_scale` (a dynamic loss
                            scale's state: scale and growth_tracker; absent without one),
-                           `frozen_stored` (whether resident.safetensors holds the frozen
-                           parameters; absent in older checkpoints, which do), and the
-                           size and sha256 of each file
+                           `frozen_stored` (whether the files hold the frozen parameters;
+                           absent in older checkpoints, which do), and the size and sha256
+                           of each file
   layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
-                           named as in `model.state_dict()`
+                           named as in `model.state_dict()`, and `frozen/<name>` for each of the block's frozen parameters
+                           (requires_grad=False: never stepped; a load checks the model's
+                           against their digests, which the manifest holds: not stored by
+                           `save(frozen=False)`, nor by default for a PEFT model, whose base
+                           is the user's; before round 37 in resident.safetensors)
   resident.safetensors     the same for the resident (pre/post) parameters (tied weights once),
-                           and `frozen/<name>` for every frozen parameter (requires_grad=False:
-                           never stepped; a load checks the model's against their digests,
-                           which the manifest holds: not stored by `save(frozen=False)`,
-                           nor by default for a PEFT model, whose base is the user's),
+                           and `frozen/<name>` for the other frozen parameters,
                            and `buffer/<name>` for every buffer in `model.state_dict()` (a
                            layer's own scale or routing bias: `snake export` rebuilds the
                            model from its config, which does not hold them; a load leaves
@@ -70,7 +71,6 @@ from safetensors.torch import save_file as st_save_file
 from snake.adapters import (
     ModelParts,
     flat_named,
-    frozen_values,
     has_peft_layers,
     iter_frozen,
     layer_kinds,
@@ -608,11 +608,16 @@ def _save_blocking(
             if stop is not None and stop.is_set():
                 raise Stopped(f"save to {target} cancelled; nothing was published")
 
+        frozen = manifest["frozen_stored"]
         for layer in range(len(parts.blocks)):
             check_stop()
-            files[layer_file(layer)] = _write_tensors(tmp / layer_file(layer), read_layer(layer), meta)
+            # a layer's frozen parameters beside its state: read (where a streamed model left
+            # them in its files) a layer at a time
+            tensors = {**read_layer(layer), **(layer_frozen(parts, layer) if frozen else {})}
+            files[layer_file(layer)] = _write_tensors(tmp / layer_file(layer), tensors, meta)
+            del tensors
         check_stop()
-        files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts, manifest["frozen_stored"]), meta)
+        files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts, frozen), meta)
         check_stop()
         files[RNG] = _write_tensors(tmp / RNG, {k: v.contiguous() for k, v in rng.items()}, meta)
         manifest = {**manifest, "files": files}
@@ -748,13 +753,26 @@ def resident_tensors(e: Engine | None, parts: ModelParts, frozen: bool = True) -
             comps = (master, torch.zeros_like(master), torch.zeros_like(master))
         for comp, t in zip(COMPS, comps, strict=True):
             out[f"{comp}/{name}"] = t.view(p.shape)  # each its own tensor: no copy needed
-    # frozen parameters, as they are, where stored (a load checks the model's against
-    # their digests; `snake export` takes them from here)
-    for name, t in (frozen_values(parts) if frozen else {}).items():
-        out[f"frozen/{name}"] = t.to("cpu").contiguous()
+    # frozen parameters outside the layers, as they are, where stored (a load checks the
+    # model's against their digests; `snake export` takes them from here)
+    prefix = parts.blocks_prefix + "."
+    for name, p in parts.model.named_parameters():
+        if frozen and not p.requires_grad and not name.startswith(prefix):
+            out[f"frozen/{name}"] = p.detach().to("cpu").contiguous()
     for name, t in state_buffers(parts.model).items():
         out[f"buffer/{name}"] = t.detach().to("cpu").contiguous()
     return out
+
+
+def layer_frozen(parts: ModelParts, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s frozen parameters as a checkpoint stores them (`frozen/<name>`, by
+    `named_parameters`' names: a weight tied elsewhere before it is stored there), as they
+    are or, on the meta device, read through `parts.weights`."""
+    head = f"{parts.blocks_prefix}.{layer}."
+    names = {n[len(head):] for n, p in parts.model.named_parameters() if not p.requires_grad and n.startswith(head)}
+    named = [(n, p) for n, p in parts.blocks[layer].named_parameters() if n in names]
+    values = layer_values(parts, layer, named)
+    return {f"frozen/{head}{n}": v.to("cpu").contiguous() for (n, _), v in zip(named, values, strict=True)}
 
 
 def state_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -818,12 +818,15 @@ async def test_a_checkpoint_without_its_frozen_parameters_resumes_and_export_ref
         assert not (tmp_path / "bad").exists()
         stored = {}
         for name in ("with", "ckpt"):
-            with safe_open(str(tmp_path / name / "resident.safetensors"), framework="pt") as f:
-                stored[name] = sorted(k for k in f.keys() if k.startswith("frozen/"))
+            stored[name] = []
+            for file in sorted((tmp_path / name).glob("*.safetensors")):  # a layer's in its file
+                with safe_open(str(file), framework="pt") as f:
+                    stored[name] += [(file.name, k) for k in f.keys() if k.startswith("frozen/")]
             manifest = json.loads((tmp_path / name / "manifest.json").read_text())
             assert manifest["frozen_stored"] == (name == "with")
             assert sorted(manifest["model"]["frozen_params"]) == ["blocks.1.attn.c_proj.weight", "wpe.weight"]
-        assert stored == {"with": ["frozen/blocks.1.attn.c_proj.weight", "frozen/wpe.weight"], "ckpt": []}
+        assert stored == {"with": [("layer-00001.safetensors", "frozen/blocks.1.attn.c_proj.weight"),
+                                   ("resident.safetensors", "frozen/wpe.weight")], "ckpt": []}
         async with SnakeTrainer(frozen_model(123), data=data, config=config(tmp_path, "second")) as t:
             await t.load(tmp_path / "ckpt")
             await t.run(2)
