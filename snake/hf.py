@@ -1383,8 +1383,9 @@ def init_adapters(model: nn.Module) -> int:
     LoftQ, CorDA) is refused: the files keep the weights as they were.
 
     `SnakeTrainer` calls it for a model whose adapters are not yet initialised; call it
-    yourself to choose when they draw. Returns the number of adapter tensors initialised
-    (0 where there are none left to initialise)."""
+    yourself to choose when they draw, or to keep it off an event loop where it reads the
+    base weights (DoRA: `await asyncio.to_thread(init_adapters, model)`). Returns the number
+    of adapter tensors initialised (0 where there are none left to initialise)."""
     from snake.adapters import peft_base
 
     base = peft_base(model) or model
