@@ -307,3 +307,36 @@ async def test_fp32_adapters_of_a_bf16_model_on_cuda(tmp_path):
         got = await trainer.state_dict()
     assert_tracks_updates({k: got[k].cpu().float() for k in init}, {k: want[k] for k in init}, init,
                           overall=0.01, each=0.05)
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+async def test_lora_of_a_streamed_bf16_model_on_cuda(tmp_path):
+    """PEFT's adapters on a bf16 model from stream_hf (snake initialises them; the frozen
+    base streams from a mapped file, which is not pinned) train on the GPU as the same
+    model loaded in memory does there (tests/test_peft.py on the CPU)."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    from snake.hf import load_hf, stream_hf
+    from tests.test_hf import VOCAB, make, snake_config
+    from tests.test_peft import LORA
+
+    make("llama").to(torch.bfloat16).save_pretrained(str(tmp_path / "m"))
+    config = {**LORA, "init_lora_weights": "gaussian"}
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    got = {}
+    for name, load in [("loaded", load_hf), ("streamed", stream_hf)]:
+        torch.manual_seed(5)
+        model = get_peft_model(load(tmp_path / "m", dtype=torch.bfloat16), LoraConfig(**config))
+        torch.manual_seed(5)  # the streamed model's adapters draw when its trainer is made
+        cfg = dataclasses.replace(snake_config(tmp_path / name, dtype="bfloat16"), device="cuda")
+        async with SnakeTrainer(model, data=data, config=cfg) as trainer:
+            await trainer.run(3)
+            assert trainer.engine.kernels.frozen_mapped == (name == "streamed")
+            got[name] = await trainer.state_dict(trained_only=True)
+    assert got["loaded"].keys() == got["streamed"].keys()
+    for n, v in got["loaded"].items():
+        torch.testing.assert_close(got["streamed"][n], v, rtol=0, atol=0, msg=n)
