@@ -217,8 +217,9 @@ def streamed_lora(path, seed: int = 3, **kw) -> tuple[PeftModel, PeftModel]:
     torch.manual_seed(seed)
     loaded = get_peft_model(load_hf(path), LoraConfig(**config))
     streamed = get_peft_model(stream_hf(path), LoraConfig(**config))
-    adapters = [p for n, p in streamed.named_parameters() if p.requires_grad]
-    assert adapters and all(p.is_meta for p in adapters)  # where PEFT leaves them
+    trained = [(n, p) for n, p in streamed.named_parameters() if p.requires_grad]
+    assert trained and all(p.is_meta for _, p in trained)  # where PEFT leaves them
+    adapters = [p for n, p in trained if "modules_to_save" not in n]  # not trained copies of stored modules
     torch.manual_seed(seed)
     assert init_adapters(streamed) == len(adapters)
     assert init_adapters(streamed) == 0  # once
@@ -228,20 +229,22 @@ def streamed_lora(path, seed: int = 3, **kw) -> tuple[PeftModel, PeftModel]:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind,kw", [("llama", {}), ("llama", {"use_dora": True}),
                                      ("llama", {"layers_to_transform": [1], "layers_pattern": "layers"}),
+                                     ("llama", {"modules_to_save": ["post_attention_layernorm"]}),
                                      ("mixtral", {"target_modules": ["q_proj", "v_proj"]})],
-                         ids=["lora", "dora", "middle-layer-only", "mixtral-converted"])
+                         ids=["lora", "dora", "middle-layer-only", "a-layers-norm-trained", "mixtral-converted"])
 async def test_lora_on_a_streamed_model_trains_as_plain_pytorch(tmp_path, kind, kw):
     """A model whose layer weights stay in their files (stream_hf) takes PEFT's adapters:
     snake initialises them as PEFT does a model in memory (the same values from the same
     seed; DoRA's magnitude from the stored weights), the frozen base weights stream from
     their files, the adapters train as plain PyTorch's. PEFT finds the layers it adapts by
-    their path (`layers_to_transform`), and Mixtral's experts are stored one by one, which
-    transformers converts with PEFT's wrappers out of its way."""
+    their path (`layers_to_transform`); a trained copy of a layer's module
+    (`modules_to_save`) starts from its stored weights; Mixtral's experts are stored one by
+    one, which transformers converts with PEFT's wrappers out of its way."""
     _, path = saved(kind, tmp_path)
     loaded, streamed = streamed_lora(path, **kw)
     base = streamed.get_base_model()
     for n, p in loaded.get_base_model().named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and "modules_to_save" not in n:  # (those stay in the files until trained)
             assert torch.equal(dict(base.named_parameters())[n], p), n
     assert all(p.is_meta for n, p in base.named_parameters() if "base_layer" in n)
     data = batches(3, 4, seq=16, vocab=VOCAB)
