@@ -515,11 +515,17 @@ def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: Model
                 "is frozen and differs from the frozen values the checkpoint was trained with (frozen "
                 "parameters are not stored: they come from the model)", FIX,
             )
-    groups = [(_layer_spec(have, i), _layer_spec(want, i), f"{parts.blocks_prefix}.{i}.") for i in range(have["n_layer"])]
+    moved = _held_now(have, want, parts.blocks_prefix)
+
+    def their_layer(i: int) -> list[Any]:  # layer i's streamed parameters in the checkpoint, less the moved
+        return [[n, s] for n, s in _layer_spec(want, i) if f"{parts.blocks_prefix}.{i}.{n}" not in moved]
+
+    groups = [(_layer_spec(have, i), their_layer(i), f"{parts.blocks_prefix}.{i}.") for i in range(have["n_layer"])]
     if "layer_kinds" not in have and "layer_kinds" not in want:  # one kind: one message for all
         groups = groups[:1]
         groups[0] = (groups[0][0], groups[0][1], f"{parts.blocks_prefix}.*.")
-    groups.append((have["resident_params"], want["resident_params"], ""))
+    groups.append((have["resident_params"], want["resident_params"] + [[n, s] for n, s in have["resident_params"]
+                                                                       if n in moved], ""))
     for mine_list, theirs_list, label in groups:
         mine = {n: s for n, s in mine_list}
         theirs = {n: s for n, s in theirs_list}
@@ -534,6 +540,23 @@ def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: Model
             if n not in mine:
                 raise ConfigError(f"model.{label}{n}", None, f"is in the checkpoint (shape {tuple(s)}) but not in the model", FIX)
     _check_fields(config, manifest)
+
+
+def _held_now(have: dict[str, Any], want: dict[str, Any], prefix: str) -> set[str]:
+    """The trained parameters a checkpoint of an earlier snake streamed with their layer
+    that this one holds with pre/post's (`kept_fp32` since round 36: PEFT's float32 adapters
+    of a bfloat16 model, a router's float32 gate): their state is in the checkpoint's layer
+    file, under the name the resident state's reader takes (`apply_checkpoint`). Full
+    names, each of the same shape in both."""
+    theirs_resident = {n for n, _ in want["resident_params"]}
+    moved = set()
+    for name, shape in have["resident_params"]:
+        layer, dot, rest = name[len(prefix) + 1:].partition(".") if name.startswith(prefix + ".") else ("", "", "")
+        if name in theirs_resident or not dot or not layer.isdigit() or int(layer) >= want["n_layer"]:
+            continue
+        if [rest, shape] in _layer_spec(want, int(layer)) and rest not in {n for n, _ in _layer_spec(have, int(layer))}:
+            moved.add(name)
+    return moved
 
 
 def _check_fields(config: SnakeConfig, manifest: dict[str, Any]) -> None:
@@ -1056,9 +1079,19 @@ def apply_checkpoint(
                     pstore.write_tail(pu, pbuf)
                 s0 += n
     k = e.kernels
-    with torch.no_grad(), _TensorFile(target / RESIDENT) as f:
+    with torch.no_grad(), contextlib.ExitStack() as files:
+        f = files.enter_context(_TensorFile(target / RESIDENT))
+        layer_files: dict[int, _TensorFile] = {}
+        prefix = parts.blocks_prefix + "."
         for i, (name, p) in enumerate(resident_named_params(parts)):
-            k.set_resident(i, _ranges(f, name, p.shape))
+            src = f
+            if f"{COMPS[0]}/{name}" not in f.keys() and name.startswith(prefix):
+                # a layer's parameter an earlier snake streamed (`_held_now`): in its layer file
+                layer = int(name[len(prefix):].partition(".")[0])
+                if layer not in layer_files:
+                    layer_files[layer] = files.enter_context(_TensorFile(target / layer_file(layer)))
+                src = layer_files[layer]
+            k.set_resident(i, _ranges(src, name, p.shape))
     synchronize(e.device)
     step = int(manifest["step"])
     e.next_t = step

@@ -193,6 +193,64 @@ async def test_held_adapters_resume_where_they_stopped(tmp_path):
     assert any("lora_A" in name for name, _ in manifest["model"]["resident_params"])
 
 
+def as_before_round_36(ckpt, model) -> None:
+    """Rewrite the checkpoint at `ckpt` of `model` (PEFT's fp32 adapters of a bf16 model,
+    held with pre/post's) as snake wrote it before round 36, when they streamed with their
+    layer: their state in the layer files, by the same names, listed in the manifest's
+    block parameters (in the block's order) rather than its resident ones."""
+    from safetensors.torch import load_file
+
+    import snake.checkpoint as ckpt_mod
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    record = manifest["model"]
+    prefix = record["blocks_prefix"] + "."
+    held = {n for n, _ in record["resident_params"] if n.startswith(prefix)}
+    assert held and record["block_params"] == []  # everything a layer trains is held now
+    base = model.get_base_model()
+    first = [n for n, p in base.get_submodule(prefix + "0").named_parameters() if p.requires_grad]
+    record["block_params"] = [[n, list(dict(base.named_parameters())[f"{prefix}0.{n}"].shape)] for n in first]
+    record["resident_params"] = [[n, s] for n, s in record["resident_params"] if n not in held]
+    resident = load_file(str(ckpt / "resident.safetensors"))
+    meta = {"format": ckpt_mod.FORMAT}
+    for i in range(record["n_layer"]):
+        name = ckpt_mod.layer_file(i)
+        layer = load_file(str(ckpt / name))
+        layer.update({k: resident.pop(k) for k in list(resident) if k.partition("/")[2].startswith(f"{prefix}{i}.")})
+        (ckpt / name).unlink()
+        manifest["files"][name] = ckpt_mod._write_tensors(ckpt / name, layer, meta)
+    (ckpt / "resident.safetensors").unlink()
+    manifest["files"]["resident.safetensors"] = ckpt_mod._write_tensors(ckpt / "resident.safetensors", resident, meta)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_from_before_the_adapters_were_held_resumes(tmp_path):
+    """Until round 36 PEFT's fp32 adapters of a bf16 model streamed with their layer, and its
+    checkpoints hold their state in the layer files: such a checkpoint resumes (their state
+    read from there), bit for bit as the run that was not interrupted, where it was refused
+    as of another model."""
+    model = lora(dtype=torch.bfloat16)
+    data = batches(4, 4, seq=16, vocab=VOCAB)
+
+    def cfg(name):
+        return snake_config(tmp_path / name, dtype="bfloat16")
+
+    async with SnakeTrainer(model, data=data, config=cfg("straight")) as t:
+        await t.run(4)
+        straight = await t.state_dict(trained_only=True)
+    async with SnakeTrainer(model, data=data, config=cfg("first")) as t:
+        await t.run(2)
+        await t.save(tmp_path / "ckpt")
+    as_before_round_36(tmp_path / "ckpt", model)
+    async with SnakeTrainer(model, data=data, config=cfg("second")) as t:
+        await t.load(tmp_path / "ckpt")
+        await t.run(2)
+        resumed = await t.state_dict(trained_only=True)
+    for k, v in straight.items():
+        assert torch.equal(resumed[k], v), k
+
+
 def test_prompt_learning_is_refused_by_name(tmp_path):
     """Prompt tuning's virtual tokens are added to the inputs by the PeftModel, outside the
     base model snake trains: refused with the way (an adapter of the layers), where it
