@@ -144,6 +144,19 @@ def has_peft_layers(model: nn.Module) -> bool:
     return any(type(m).__module__.startswith("peft.") for m in model.modules())
 
 
+def check_param_wrappers(parts: ModelParts) -> None:
+    """ModelError for PEFT's LoRA of a parameter (`target_parameters`, a `ParamWrapper`: the
+    fused experts of a mixture of experts) in a block: PEFT parametrizes the parameter where
+    snake binds each layer's parameters itself (it failed in the first step)."""
+    for i, block in enumerate(parts.blocks):
+        if any(type(m).__name__ == "ParamWrapper" and type(m).__module__.startswith("peft.") for m in block.modules()):
+            raise ModelError(
+                f"model: PEFT's LoRA of a parameter (target_parameters: {parts.blocks_prefix}.{i} has a "
+                "ParamWrapper) is not supported: snake binds each layer's parameters itself, where PEFT "
+                "parametrizes them; adapt modules (target_modules) instead"
+            )
+
+
 def takes_layer(fn: BlockFn) -> bool:
     """Whether a block function wants the layer index: a parameter named `layer` after the
     block and the hidden state (`def block_fn(layer, h)` names the block `layer`)."""
@@ -191,6 +204,7 @@ def check_parts(parts: ModelParts) -> None:
             )
     blocks = list(parts.blocks)
     check_blocks(blocks)
+    check_param_wrappers(parts)
     if not any(p.requires_grad for p in parts.model.parameters()):
         raise ModelError(
             "model: no parameter requires grad, so training would change nothing; unfreeze what "

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from snake.adapters import ModelParts, has_peft_layers, layer_kinds
+from snake.adapters import ModelParts, check_param_wrappers, has_peft_layers, layer_kinds
 from snake.errors import DataError, ModelError, StorageError
 from snake.memory import fmt_size
 
@@ -165,9 +165,14 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
         parts = dataclasses.replace(parts, weights=weights)
         _init_adapters(model, parts)
     # a layer parameter is on the meta device, or real because snake read it from the files
-    # (frozen ones): one made real otherwise (model.to_empty) would train on whatever it holds
+    # (frozen ones) or PEFT made it (an adapter the files do not hold: one added after the
+    # first, which PEFT initialises itself): one made real otherwise (model.to_empty) would
+    # train on whatever it holds
     for i, block in enumerate(parts.blocks):
+        stored = _stored_names(block) if has_peft_layers(block) else None
         for name, p in block.named_parameters():
+            if stored is not None and _unwrapped_name(name) not in stored:
+                continue
             if not p.is_meta and not getattr(p, "snake_read", False):
                 raise ModelError(
                     f"model: {parts.blocks_prefix}.{i}.{name} of a model from stream_hf is no longer on the "
@@ -1379,8 +1384,12 @@ def init_adapters(model: nn.Module) -> int:
     are put into the model's layer in the dtype PEFT gave them, and the layer's weights stay
     in their files. Layer by layer in order, the adapters draw from torch's random
     generator as `get_peft_model` draws for a model in memory: seeded alike just before,
-    they are the same. An initialisation that changes the base weights (PiSSA, OLoRA,
-    LoftQ, CorDA) is refused: the files keep the weights as they were.
+    they are the same, where the config adapts modules of the layers only (adapters of the
+    embedding, outside the layers, are drawn by `get_peft_model` before the layers'; the
+    head's after). PEFT's adapter buffers (OFT's) are made too. An initialisation that
+    changes the base weights (PiSSA, OLoRA, LoftQ, CorDA) is refused: the files keep the
+    weights as they were. Adapters outside the layers are made by `get_peft_model` itself
+    (not with `low_cpu_mem_usage=True`, which is refused).
 
     `SnakeTrainer` calls it for a model whose adapters are not yet initialised; call it
     yourself to choose when they draw, or to keep it off an event loop where it reads the
@@ -1399,16 +1408,34 @@ def init_adapters(model: nn.Module) -> int:
     return _init_adapters(base, dataclasses.replace(parts, weights=_PeftNames.of(weights)))
 
 
+def _stored_names(block: nn.Module) -> set[str]:
+    """The names of a layer's parameters and buffers as stored (PEFT's wrappers unwrapped)."""
+    copy_ = copy.deepcopy(block)  # what is on the meta device allocates nothing
+    _unwrap(copy_)
+    return {n for n, _ in [*copy_.named_parameters(remove_duplicate=False), *copy_.named_buffers()]}
+
+
 def _init_adapters(model: nn.Module, parts: ModelParts) -> int:
     assert parts.weights is not None
     configs = getattr(model, "peft_config", None)
-    made: list[tuple[nn.Module, str, nn.Parameter]] = []  # put in once every layer's are made
+    prefix = parts.blocks_prefix + "."
+    outside = next((n for n, p in model.named_parameters() if p.is_meta and not n.startswith(prefix)), None)
+    if outside is not None and has_peft_layers(model):
+        raise ModelError(
+            f"model: PEFT left {outside}, outside the layers, on the meta device (get_peft_model(..., "
+            "low_cpu_mem_usage=True) makes the adapters without their values); snake initialises the "
+            "adapters of a streamed model's layers only: call get_peft_model without low_cpu_mem_usage"
+        )
+    check_param_wrappers(parts)
+    made: list[tuple[dict[str, Any], str, torch.Tensor]] = []  # put in once every layer's are made
     for i, block in enumerate(parts.blocks):
-        copy_ = copy.deepcopy(block)  # on the meta device: nothing allocated
+        if not any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
+            continue
+        copy_ = copy.deepcopy(block)
         _unwrap(copy_)  # the layer as stored
-        stored = {n for n, _ in copy_.named_parameters(remove_duplicate=False)}
-        todo = [(n, p) for n, p in block.named_parameters(remove_duplicate=False)
-                if p.is_meta and _unwrapped_name(n) not in stored]
+        stored = {n for n, _ in [*copy_.named_parameters(remove_duplicate=False), *copy_.named_buffers()]}
+        todo = [(n, t) for n, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers()]
+                if t.is_meta and _unwrapped_name(n) not in stored]
         if not todo:
             continue
         if not isinstance(configs, dict) or not configs:
@@ -1418,17 +1445,17 @@ def _init_adapters(model: nn.Module, parts: ModelParts) -> int:
                 "(peft_config); make the adapters with peft.get_peft_model"
             )
         made += _init_layer(parts, i, block, copy_, todo, configs)
-    for mod, attr, p in made:
-        mod._parameters[attr] = p
+    for where, attr, t in made:
+        where[attr] = t
     return len(made)
 
 
 def _init_layer(parts: ModelParts, layer: int, block: nn.Module, copy_: nn.Module,
-                todo: list[tuple[str, nn.Parameter]], configs: dict[str, Any]
-                ) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Layer `layer`'s adapters `todo` (on the meta device), made by PEFT on `copy_`, a
-    copy of `block` as stored (unwrapped), given the stored weights here: (module of
-    `block`, attribute, parameter) of each."""
+                todo: list[tuple[str, torch.Tensor]], configs: dict[str, Any]
+                ) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """Layer `layer`'s adapters `todo` (parameters and buffers on the meta device), made by
+    PEFT on `copy_`, a copy of `block` as stored (unwrapped), given the stored weights here:
+    (the `_parameters` or `_buffers` of its module in `block`, attribute, tensor) of each."""
     from peft import inject_adapter_in_model
 
     from snake.adapters import layer_values
@@ -1457,6 +1484,9 @@ def _init_layer(parts: ModelParts, layer: int, block: nn.Module, copy_: nn.Modul
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's own notes on a model it sees again
         for adapter, config in configs.items():
+            if getattr(config, "trainable_token_indices", None) is not None:  # the embedding's, outside the layer
+                config = copy.copy(config)
+                config.trainable_token_indices = None
             try:
                 inject_adapter_in_model(config, root, adapter_name=adapter)
             except (ValueError, TypeError, NotImplementedError) as e:
@@ -1465,7 +1495,7 @@ def _init_layer(parts: ModelParts, layer: int, block: nn.Module, copy_: nn.Modul
                     f"to initialise it ({str(e).strip().splitlines()[0][:300]}); load the model with "
                     "snake.hf.load_hf(dir) before get_peft_model"
                 ) from None
-    made = dict(copy_.named_parameters(remove_duplicate=False))
+    made: dict[str, torch.Tensor] = {**dict(copy_.named_buffers()), **dict(copy_.named_parameters(remove_duplicate=False))}
     for name, v in before.items():
         now = made.get(_find_wrapped(made, name))
         if now is not None and not torch.equal(now.detach(), v):
@@ -1477,19 +1507,25 @@ def _init_layer(parts: ModelParts, layer: int, block: nn.Module, copy_: nn.Modul
                 "snake.hf.load_hf(dir) before get_peft_model"
             )
     mods = dict(block.named_modules())
-    out = []
-    for name, p in todo:
+    out: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for name, t in todo:
         got = made.get(name)
-        if got is None or got.is_meta or tuple(got.shape) != tuple(p.shape):
+        if got is None or got.is_meta or tuple(got.shape) != tuple(t.shape):
             raise ModelError(
-                f"model: PEFT made no {parts.blocks_prefix}.{layer}.{name} of shape {tuple(p.shape)} when it made "
+                f"model: PEFT made no {parts.blocks_prefix}.{layer}.{name} of shape {tuple(t.shape)} when it made "
                 "the layer's adapters again (its configs in model.peft_config differ from what made them); "
                 "load the model with snake.hf.load_hf(dir) before get_peft_model"
             )
         mod_name, _, attr = name.rpartition(".")
-        new = nn.Parameter(got.detach().to(p.dtype).clone(), requires_grad=p.requires_grad)
-        new.snake_read = True  # type: ignore[attr-defined]  # initialised by snake, not left by to_empty
-        out.append((mods[mod_name], attr, new))
+        value = got.detach().to(t.dtype if t.is_floating_point() else got.dtype).clone()
+        if isinstance(t, nn.Parameter):
+            # trained where both say so: PEFT's move to the meta device re-made some as trained
+            # (AdaLoRA's rank count), an adapter not active is not
+            new = nn.Parameter(value, requires_grad=t.requires_grad and got.requires_grad)
+            new.snake_read = True  # type: ignore[attr-defined]  # initialised by snake, not left by to_empty
+            out.append((mods[mod_name]._parameters, attr, new))
+        else:
+            out.append((mods[mod_name]._buffers, attr, value))
     return out
 
 

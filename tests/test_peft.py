@@ -312,6 +312,74 @@ async def test_lora_on_a_streamed_model_trains_as_plain_pytorch(tmp_path, kind, 
     assert all(p.is_meta or getattr(p, "snake_mapped", False) for n, p in base.named_parameters() if "base_layer" in n)
 
 
+def other_adapter(name: str):
+    """A PEFT config of another kind than LoRA's, for a streamed model."""
+    import peft
+
+    if name == "oft":  # adapter buffers (its rotation's index rows and columns) beside parameters
+        return peft.OFTConfig(r=0, oft_block_size=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    if name == "adalora":  # a frozen rank count per module beside the trained adapters
+        return peft.AdaLoraConfig(init_r=4, target_r=2, lora_alpha=8, target_modules=["q_proj"], total_step=10,
+                                  task_type="CAUSAL_LM")
+    if name == "trainable-tokens":  # the embedding's trained rows, outside the layers, beside LoRA
+        return LoraConfig(**{**LORA, "init_lora_weights": "gaussian", "trainable_token_indices": [3, 5]})
+    raise ValueError(name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["oft", "adalora", "trainable-tokens", "second-adapter-added-first"])
+async def test_other_adapters_of_a_streamed_model_train_as_plain_pytorch(tmp_path, name):
+    """What an audit found: OFT's adapter buffers are made too (they were left on the meta
+    device); AdaLoRA's frozen rank count stays frozen (PEFT's move to the meta device
+    re-made it trained, and snake stepped it); LoRA with the embedding's trainable tokens
+    (outside the layers) initialises (the copied layer has no embedding); an adapter added
+    before snake initialised the first, which PEFT initialises itself, is taken as it is
+    (it was refused as made real behind snake's back). The adapters are given to the model
+    in memory, whose plain PyTorch training the streamed one matches."""
+    _, path = saved("llama", tmp_path)
+    second = name == "second-adapter-added-first"
+    config = (lambda: LoraConfig(**{**LORA, "init_lora_weights": "gaussian"})) if second else (lambda: other_adapter(name))
+    loaded, streamed = (get_peft_model(load(path), config()) for load in (load_hf, stream_hf))
+    if second:
+        for m in (loaded, streamed):
+            m.add_adapter("second", LoraConfig(**{**LORA, "init_lora_weights": "gaussian", "r": 2}))
+            m.set_adapter("second")
+    init_adapters(streamed)
+    base, mine = loaded.get_base_model(), streamed.get_base_model()
+    with torch.no_grad():  # the reference starts where snake does
+        for (n, p), (_, q) in zip(base.named_parameters(), mine.named_parameters(), strict=True):
+            if p.requires_grad or "lora_" in n or "oft_" in n:
+                p.copy_(q)
+    for (n, b), (_, c) in zip(base.named_buffers(), mine.named_buffers(), strict=True):
+        assert not c.is_meta and torch.equal(b, c), n
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    want = reference(base, data, 2)
+    got = await train(streamed, data, tmp_path)
+    assert_matches(got, want)
+    frozen = [n for n, p in mine.named_parameters() if not p.requires_grad and ("ranknum" in n or ".default." in n)]
+    assert all(torch.equal(got[n], want[n]) for n in frozen)  # AdaLoRA's rank count; LoRA's inactive adapter
+
+
+def test_what_snake_cannot_initialise_or_run_is_refused_by_name(tmp_path):
+    """PEFT's LoRA of a parameter (`target_parameters`, a mixture of experts' fused experts),
+    which failed in the first step streamed or not, and adapters outside the layers that
+    `low_cpu_mem_usage` left on the meta device (snake initialises the layers' only):
+    refused by name with the way, before anything is set up."""
+    _, path = saved("deepseekv3", tmp_path)
+    for load in (load_hf, stream_hf):
+        model = get_peft_model(load(path), LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"]))
+        with pytest.raises(ModelError, match=r"LoRA of a parameter \(target_parameters: model\.layers\.1 has a "
+                                             r"ParamWrapper\).*target_modules"):
+            SnakeTrainer(model, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path))
+    _, path = saved("llama", tmp_path)
+    model = get_peft_model(stream_hf(path), LoraConfig(**{**LORA, "target_modules": ["q_proj", "lm_head"]}),
+                           low_cpu_mem_usage=True)
+    with pytest.raises(ModelError, match=r"PEFT left lm_head\.lora_A\.default\.weight, outside the layers, on the "
+                                         r"meta device.*without low_cpu_mem_usage"):
+        SnakeTrainer(model, data=batches(1, 4, vocab=VOCAB), config=snake_config(tmp_path))
+    assert not (tmp_path / "off").exists()
+
+
 @pytest.mark.asyncio
 async def test_fp32_adapters_of_a_streamed_bf16_model_train_as_those_of_one_in_memory(tmp_path):
     """A bf16 checkpoint streamed, PEFT's fp32 adapters held on the device in float32, the
