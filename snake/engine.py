@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from snake.adapters import ModelParts, flat_named, layer_values, lowest_backward, pre_trains
@@ -28,7 +29,7 @@ from snake.io.kvikio_file import kvikio_usable
 from snake.io.posix import o_direct_works
 from snake.kernels import Kernels
 from snake.memory import PoolSizes, fmt_size
-from snake.offload_dir import InMemoryOffloadWarning, memory_fs
+from snake.offload_dir import FrozenFromDiskWarning, InMemoryOffloadWarning, memory_fs
 from snake.plans import DELAYED, Plans
 from snake.schedule import build_schedule, stored_outputs
 from snake.stores import TierStore, Unit, scatter, tail_file_bytes
@@ -196,6 +197,7 @@ class Engine:
             self.close_files()
             self.kernels.restore_modes()
             raise
+        self._warn_frozen_from_disk()
         k.res_io = self.executors["io"]  # the resident state's transfers, where it is on SSD
         k.res_progress = tracer.progress
         k.stop = self.stop
@@ -294,6 +296,28 @@ class Engine:
                 InMemoryOffloadWarning,
                 stacklevel=2,
             )
+
+    def _warn_frozen_from_disk(self) -> None:
+        """FrozenFromDiskWarning where a streamed model's mapped frozen weights
+        (`Kernels.map_frozen`) are more than the memory available once snake's tiers and
+        buffers are allocated (the page cache they are in counts as available)."""
+        k = self.kernels
+        if not k.frozen_mapped:
+            return
+        mapped = sum(h.numel() * h.element_size() for h in k.frozen_host if h is not None)
+        available = _available_memory()
+        if mapped <= available:
+            return
+        warnings.warn(
+            f"the frozen layer weights snake maps from offload_dir take {fmt_size(mapped)}, more than the "
+            f"{fmt_size(available)} of memory available with snake's tiers allocated: the page cache cannot "
+            "hold them, so every pass over the layers reads them from the disk again (vertical: twice an "
+            f"iteration, {fmt_size(2 * mapped)}; horizontal: twice a micro-batch), which the planner does not "
+            f"count; leave the page cache {fmt_size(mapped - available)} more (a lower cpu_memory_bytes or "
+            "lower placement shares) to keep them in memory",
+            FrozenFromDiskWarning,
+            stacklevel=2,
+        )
 
     def inline_store(self, kind: str, layer: int, micro_batch: int) -> torch.Tensor | None:
         """Where the compute thread writes an activation itself: the flat CPU memory of its
@@ -548,3 +572,7 @@ class Engine:
     def cpu_store_bytes(self) -> int:
         return sum(s.cpu_bytes() for s in self.stores.values())
 
+
+def _available_memory() -> int:
+    """The host memory available now (the page cache counts as available)."""
+    return int(psutil.virtual_memory().available)

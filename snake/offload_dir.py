@@ -20,6 +20,12 @@ class InMemoryOffloadWarning(UserWarning):
     takes CPU memory, which the placement, the memory check and the planner count as disk."""
 
 
+class FrozenFromDiskWarning(UserWarning):
+    """A streamed model's frozen layer weights, mapped from a file in offload_dir, are more
+    than the memory left available: the page cache cannot hold them, so every pass over the
+    layers reads them from the disk again, which the planner does not count."""
+
+
 def memory_fs(path: str | Path, mountinfo: str | None = None) -> str | None:
     """The type of the file system `path` is on when it lives in memory ("tmpfs",
     "ramfs"), else None: from the mount table (`/proc/self/mountinfo`, or `mountinfo`),

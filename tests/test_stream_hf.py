@@ -401,3 +401,24 @@ async def test_not_enough_disk_for_the_mapped_frozen_weights_names_them(tmp_path
         with pytest.raises(ConfigError, match=r"0\.0 MiB free but the SSD tier needs 0\.0 MiB and the frozen layer "
                                               r"weights' mapped files [0-9.]+ MiB"):
             await asyncio.wait_for(trainer.run(1), timeout=120)
+
+
+@pytest.mark.asyncio
+async def test_mapped_frozen_weights_the_memory_cannot_hold_are_warned_of(tmp_path, monkeypatch):
+    """A streamed model's frozen weights, mapped from a file of snake's, that the memory left
+    available cannot hold: every pass reads them from the disk again, which the planner
+    does not count; warned of once the tiers are allocated, with what to leave free. With
+    the memory to hold them, nothing is said (the suite turns warnings into errors)."""
+    import snake.engine
+    from snake.offload_dir import FrozenFromDiskWarning
+
+    _, path = saved("llama", tmp_path)
+    data = batches(1, 4, vocab=VOCAB)
+    async with SnakeTrainer(lora(stream_hf(path)), data=data, config=snake_config(tmp_path / "a")) as trainer:
+        await asyncio.wait_for(trainer.run(1), timeout=120)  # plenty of memory: no warning
+    monkeypatch.setattr(snake.engine, "_available_memory", lambda: 2**10)
+    async with SnakeTrainer(lora(stream_hf(path)), data=data, config=snake_config(tmp_path / "b")) as trainer:
+        with pytest.warns(FrozenFromDiskWarning, match=r"frozen layer weights snake maps from offload_dir take "
+                                                       r"0\.3 MiB, more than the 0\.0 MiB of memory available.*"
+                                                       r"reads them from the disk again.*lower cpu_memory_bytes"):
+            await asyncio.wait_for(trainer.run(1), timeout=120)
