@@ -261,6 +261,7 @@ def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) ->
         "host_off_budget_bytes": off_budget(profile, plan.n_micro),
         "host_total_bytes": plan.host_memory_bytes + off_budget(profile, plan.n_micro),
         "ssd_bytes_per_iteration": plan.ssd_bytes_per_iteration,
+        "frozen_from_disk": plan.frozen_from_disk,
         "horizontal_iteration_seconds_same_placement": horizontal_seconds,
         "profile": profile.to_json(),
     }
@@ -282,7 +283,9 @@ def format_table(d: dict) -> str:
         ("host memory", f"{d['host_total_bytes'] / gib:.2f} of {prof['cpu_memory_bytes'] / gib:.2f} GiB "
          f"({d['host_memory_bytes'] / gib:.2f} placed data and buffers, the rest runtime"
          f"{' and the CPU device' if prof.get('device') == 'cpu' else ''})"),
-        ("SSD traffic", f"{d['ssd_bytes_per_iteration'] / gib:.3f} GiB/iteration"),
+        ("SSD traffic", f"{d['ssd_bytes_per_iteration'] / gib:.3f} GiB/iteration"
+         + (" (the mapped frozen weights, more than the page cache keeps, read at every load)"
+            if d.get("frozen_from_disk") else "")),
         ("horizontal, same", f"{d['horizontal_iteration_seconds_same_placement']:.4g} s/iteration"),
         ("measured", f"fwd {prof['fwd_seconds'] * 1e3:.3g} ms, recompute "
          f"{prof['recompute_seconds'] * 1e3:.3g} ms, bwd {prof['bwd_seconds'] * 1e3:.3g} ms"),

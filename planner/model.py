@@ -65,6 +65,9 @@ class Traffic:
     ssd_read: tuple[float, ...]
     ssd_write: tuple[float, ...]
     ssd_ops: tuple[float, ...]
+    # bytes read from the SSD whatever the shares: a streamed model's mapped frozen weights
+    # where the page cache cannot hold them (`frozen_from_disk`)
+    ssd_fixed_read: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,7 @@ class Phase:
 
     def ssd_bytes_at(self, x: tuple[float, ...]) -> float:
         t = self.traffic
-        return sum(
+        return t.ssd_fixed_read + sum(
             (rb + wb) * (1 - xi) for rb, wb, xi in zip(t.ssd_read, t.ssd_write, x, strict=True)
         )
 
@@ -121,7 +124,7 @@ def phase(profile, name: str, count: int, t: Traffic) -> Phase:
             Bound(f"adam_{name}", cpu_work[1]),
             Bound(f"h2d_{name}", t.h2d_bytes / min(profile.h2d_bytes_per_s, link)),
             Bound(f"d2h_{name}", t.d2h_bytes / min(profile.d2h_bytes_per_s, link)),
-            Bound(f"ssd_{name}", sum(ssd), tuple(-v for v in ssd)),
+            Bound(f"ssd_{name}", sum(ssd) + t.ssd_fixed_read / profile.ssd_read_bytes_per_s, tuple(-v for v in ssd)),
             *shared,
         ),
     )
@@ -136,7 +139,13 @@ def _units(shape) -> tuple[float, float, float, float, float]:
     return p, pb, shape.ckpt_elems * shape.ckpt_bytes, p * OPT_BYTES_PER_ELEM, pb + shape.layer_frozen_params * shape.dtype_bytes
 
 
-def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
+def mapped_frozen_bytes(shape) -> float:
+    """Bytes of a streamed model's frozen layer weights that the runtime maps from a file
+    of its own (`ModelShape.layer_frozen_in_files`), which the page cache holds if it can."""
+    return shape.n_layers * shape.layer_frozen_params * shape.dtype_bytes if shape.layer_frozen_in_files else 0.0
+
+
+def vertical_phases(profile, n: int, alpha: float, frozen_from_disk: bool = False) -> tuple[Phase, ...]:
     """Layer-major (GreedySnake): one forward and one backward stage per layer.
 
     Forward: params in; n-1 checkpoints in (the snake order carries one on the device) and
@@ -145,8 +154,11 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     delayed alpha share of the optimizer step (opt read + written, param tail written, its
     gradient's SSD share read). Backward: params, n checkpoints and n-1 inter-layer gradients
     in; n-1 gradients and the fp32 layer gradient (once) out; the (1 - alpha) share of the
-    optimizer step; the SSD share of the delayed alpha gradient written."""
+    optimizer step; the SSD share of the delayed alpha gradient written. frozen_from_disk: the
+    layer's mapped frozen weights are read from the SSD at each of its loads (the page cache
+    cannot hold them: a cyclic pass over more than it holds keeps next to nothing of it)."""
     p, pb, cb, ob, lb = _units(profile.shape)
+    fz = (lb - pb) if frozen_from_disk else 0.0
     a = alpha
     # SSD operations: with a delayed share (0 < alpha < 1) params and optimizer states are
     # two units per layer (the step's now and delayed parts), each loaded and written on its
@@ -170,6 +182,7 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         ssd_read=(pb, 0.0, a * ob, gb),
         ssd_write=(a * pb, f * n * cb, a * ob, 0.0),
         ssd_ops=(split + (a > 0), f * n, 2 * (a > 0), (a > 0) * moved),
+        ssd_fixed_read=fz,
     )
     bwd = Traffic(
         compute_seconds=n * (profile.recompute_seconds + profile.bwd_seconds),
@@ -179,17 +192,20 @@ def vertical_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         ssd_read=(pb, f * n * cb, (1 - a) * ob, 0.0),
         ssd_write=((1 - a) * pb, 0.0, (1 - a) * ob, gb),
         ssd_ops=(split + (a < 1), f * n, 2 * (a < 1), (a > 0) * moved),
+        ssd_fixed_read=f * fz,
     )
     return phase(profile, "fwd", 1, fwd), phase(profile, "bwd", 1, bwd)
 
 
-def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
+def horizontal_phases(profile, n: int, alpha: float, frozen_from_disk: bool = False) -> tuple[Phase, ...]:
     """Micro-batch-major (ZeRO-Infinity): per micro-batch and layer, params loaded for the
     forward and again for the backward; the output checkpoint stays on the device for the
     next layer and is offloaded once; fp32 gradients go to CPU memory every micro-batch (4P
     bytes) and are accumulated there. The optimizer step of a layer overlaps only the last
-    micro-batch's backward; its delayed alpha share the first micro-batch's forward."""
+    micro-batch's backward; its delayed alpha share the first micro-batch's forward.
+    frozen_from_disk: as `vertical_phases`, at every load."""
     p, pb, cb, ob, lb = _units(profile.shape)
+    fz = (lb - pb) if frozen_from_disk else 0.0
     a = alpha
     f, rb = profile.fwd_seconds, profile.recompute_seconds + profile.bwd_seconds
     grads = GRAD_BYTES_PER_ELEM * p
@@ -201,13 +217,13 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
         s = a if first else 0.0
         ops = (split + (s > 0), share, 2 * (s > 0), 0)
         # below the lowest layer with a backward the output stays on the device, unstored
-        return Traffic(f, s * p, lb, share * cb, (pb, 0.0, s * ob, 0.0), (s * pb, share * cb, s * ob, 0.0), ops)
+        return Traffic(f, s * p, lb, share * cb, (pb, 0.0, s * ob, 0.0), (s * pb, share * cb, s * ob, 0.0), ops, fz)
 
     def bwd(last: bool) -> Traffic:
         s = 1 - a if last else 0.0
         ops = (split + (s > 0), share, 2 * (s > 0), 0)
         return Traffic(rb, s * p, pb + share * (lb - pb + cb), grads, (pb, share * cb, s * ob, 0.0),
-                       (s * pb, 0.0, s * ob, 0.0), ops)
+                       (s * pb, 0.0, s * ob, 0.0), ops, share * fz)
 
     phases = (
         phase(profile, "fwd_first", 1, fwd(True)),
@@ -218,11 +234,11 @@ def horizontal_phases(profile, n: int, alpha: float) -> tuple[Phase, ...]:
     return tuple(ph for ph in phases if ph.count > 0)
 
 
-def phases_for(profile, n: int, alpha: float, schedule: str) -> tuple[Phase, ...]:
+def phases_for(profile, n: int, alpha: float, schedule: str, frozen_from_disk: bool = False) -> tuple[Phase, ...]:
     if schedule == "vertical":
-        return vertical_phases(profile, n, alpha)
+        return vertical_phases(profile, n, alpha, frozen_from_disk)
     if schedule == "horizontal":
-        return horizontal_phases(profile, n, alpha)
+        return horizontal_phases(profile, n, alpha, frozen_from_disk)
     raise ValueError(f"schedule={schedule!r} must be 'vertical' or 'horizontal'")
 
 

@@ -16,15 +16,25 @@ Device memory does not depend on x: it is checked before the LP.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import highspy
 import numpy as np
 
-from planner.model import KINDS, Phase, layer_seconds, phases_for, shares, ssd_bytes
+from planner.model import (
+    KINDS,
+    Phase,
+    layer_seconds,
+    mapped_frozen_bytes,
+    phases_for,
+    shares,
+    ssd_bytes,
+)
 from planner.profile import MachineProfile
 from snake.config import Placement
 from snake.memory import (
@@ -53,7 +63,7 @@ class Plan:
     host_memory_bytes: what the runtime will allocate in host memory.
     ssd_bytes_per_iteration: SSD reads + writes per iteration, all layers (and the resident
     optimizer state where it is on SSD). resident_optimizer: where the resident (pre/post)
-    optimizer state lives, "cpu" or "ssd"."""
+    optimizer state lives, "cpu" or "ssd". frozen_from_disk: see below."""
 
     schedule: str
     n_micro: int
@@ -66,6 +76,9 @@ class Plan:
     host_memory_bytes: float
     ssd_bytes_per_iteration: float
     resident_optimizer: str = "cpu"
+    # a streamed model's mapped frozen weights are more than the page cache holds beside the
+    # placement: every load reads them from the SSD (`planner.model.vertical_phases`)
+    frozen_from_disk: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -327,6 +340,28 @@ def _solve(
     profile: MachineProfile, *, n_micro: int, alpha: float, schedule: str, workers: int,
     placement: Placement | None, resident_on_ssd: bool, hint: bool,
 ) -> Plan | Infeasible:
+    """`_solve_at`, and where a streamed model's mapped frozen weights (which the memory
+    model leaves to the page cache) do not fit in the budget the plan leaves: the faster of
+    the plan that leaves them room (the budget less their bytes) and the plan that reads
+    them from the SSD at every load."""
+    kw: dict[str, Any] = dict(n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers, placement=placement,
+                              resident_on_ssd=resident_on_ssd, hint=hint)
+    plan = _solve_at(profile, **kw)
+    mapped = mapped_frozen_bytes(profile.shape)
+    if not mapped or isinstance(plan, Infeasible) or mapped <= host_budget(profile, n_micro)[0] - plan.host_memory_bytes:
+        return plan
+    roomy = _solve_at(dataclasses.replace(profile, cpu_memory_bytes=profile.cpu_memory_bytes - mapped), **kw)
+    disk = _solve_at(profile, frozen_from_disk=True, **kw)
+    options = [p for p in (roomy, disk) if isinstance(p, Plan)]
+    if not options:
+        return plan
+    return min(options, key=lambda p: round(p.predicted_iteration_seconds, 9))
+
+
+def _solve_at(
+    profile: MachineProfile, *, n_micro: int, alpha: float, schedule: str, workers: int,
+    placement: Placement | None, resident_on_ssd: bool, hint: bool, frozen_from_disk: bool = False,
+) -> Plan | Infeasible:
     staging = profile.device == "cuda"  # horizontal's pinned gradient staging buffer
     in_memory = profile.offload_in_memory
     mem = host_memory(profile.shape, n_micro=n_micro, alpha=alpha, schedule=schedule, workers=workers,
@@ -338,15 +373,16 @@ def _solve(
                            ckpt_in_cpu=True, grad_staging=staging, resident_on_ssd=resident_on_ssd,
                            offload_in_memory=in_memory)
     budget, _ = host_budget(profile, n_micro)
-    phases = phases_for(profile, n_micro, alpha, schedule)
+    phases = phases_for(profile, n_micro, alpha, schedule, frozen_from_disk)
 
     def solved(m: LinearMemory, fixed: Placement | None, ckpt_in_cpu: bool) -> Plan | None:
         sol = _run(_lp(phases, m, budget, fixed, ckpt_in_cpu=ckpt_in_cpu))
         if sol is None:
             return None
         x = tuple(min(1.0, max(0.0, v)) for v in sol)
-        return make_plan(profile, phases, m, budget, x, n_micro=n_micro, alpha=alpha, schedule=schedule,
+        plan = make_plan(profile, phases, m, budget, x, n_micro=n_micro, alpha=alpha, schedule=schedule,
                          resident_on_ssd=resident_on_ssd)
+        return dataclasses.replace(plan, frozen_from_disk=frozen_from_disk)
 
     def needed(plan: Plan | None) -> Plan:
         if plan is None:  # the memory check before it is exact: this would be a numerical failure

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from planner import probes
 from planner.model import vertical_phases
 from planner.profile import shape_of_parts
@@ -86,3 +88,59 @@ def test_a_block_without_parameters_is_timed():
     m.layers[1] = torch.nn.Identity()
     fwd, rec, bwd = probes.block_seconds(None, 2, 16, torch.device("cpu"), torch.float32, 0.02, parts=describe(parts(m)))
     assert all(t > 0 for t in (fwd, rec, bwd))
+
+
+def lora_profile(**changes):
+    """A LoRA-style fine-tune of a streamed model: few trained elements per layer, most of
+    it frozen weights mapped from a file (2.4 GB over the 24 layers), which the memory model
+    leaves to the page cache."""
+    p = synthetic_profile()
+    shape = dataclasses.replace(p.shape, layer_params=1 << 20, layer_frozen_params=50 << 20, layer_frozen_in_files=True)
+    return dataclasses.replace(p, shape=shape, **changes)
+
+
+def test_mapped_frozen_weights_read_from_disk_cost_their_reads_at_every_load():
+    """Where the page cache cannot hold them, each load of a layer reads its frozen weights
+    from the SSD: vertically once in the forward and once in the backward."""
+    from planner.model import horizontal_phases, mapped_frozen_bytes
+
+    prof = lora_profile()
+    frozen = prof.shape.layer_frozen_params * prof.shape.dtype_bytes
+    assert mapped_frozen_bytes(prof.shape) == 24 * frozen
+    x = (0.5, 0.5, 0.5, 1.0)
+    for name, cached, disk in zip(("fwd", "bwd"), vertical_phases(prof, 4, 0.0), vertical_phases(prof, 4, 0.0, True),
+                                  strict=True):
+        ssd = {b.name: b for b in cached.bounds}[f"ssd_{name}"]
+        ssd_disk = {b.name: b for b in disk.bounds}[f"ssd_{name}"]
+        assert ssd_disk.at(x) - ssd.at(x) == pytest.approx(frozen / prof.ssd_read_bytes_per_s)
+        assert disk.ssd_bytes_at(x) - cached.ssd_bytes_at(x) == pytest.approx(frozen)
+    # horizontal: at every micro-batch's forward and backward
+    extra = sum(ph.count * (d.ssd_bytes_at(x) - ph.ssd_bytes_at(x))
+                for ph, d in zip(horizontal_phases(prof, 4, 0.0), horizontal_phases(prof, 4, 0.0, True), strict=True))
+    assert extra == pytest.approx(2 * 4 * frozen)
+
+
+def test_the_plan_leaves_the_page_cache_room_or_counts_the_reads():
+    """With the memory to hold them beside the placement, the plan is the one without them;
+    where the placement's budget leaves less than they take, the plan is the faster of
+    leaving them room (a smaller budget) and reading them at every load, which it says."""
+    from planner.model import mapped_frozen_bytes
+    from planner.solve import Plan, _solve_at, off_budget, solve
+
+    roomy = lora_profile(ssd_read_bytes_per_s=0.3e9, ssd_write_bytes_per_s=0.3e9)  # an SSD that can bind
+    mapped = mapped_frozen_bytes(roomy.shape)
+    kw = dict(n_micro=4, alpha=0.0, schedule="vertical", workers=2, placement=None, resident_on_ssd=False, hint=False)
+    full = _solve_at(roomy, **kw)
+    assert isinstance(full, Plan) and roomy.cpu_memory_bytes - off_budget(roomy, 4) - full.host_memory_bytes > mapped
+    assert solve(roomy, n_micro=4, alpha=0.0) == full  # room to spare: as without them
+    # a budget that holds that placement and 1 GiB beside it, less than the 2.4 GB they take
+    tight = dataclasses.replace(roomy, cpu_memory_bytes=full.host_memory_bytes + off_budget(roomy, 4) + 2**30)
+    room = _solve_at(dataclasses.replace(tight, cpu_memory_bytes=tight.cpu_memory_bytes - mapped), **kw)
+    disk = _solve_at(tight, frozen_from_disk=True, **kw)
+    assert isinstance(room, Plan) and isinstance(disk, Plan)
+    assert disk.frozen_from_disk and not room.frozen_from_disk
+    assert disk.ssd_bytes_per_iteration - full.ssd_bytes_per_iteration >= 2 * mapped * (1 - 1e-9)
+    chosen = solve(tight, n_micro=4, alpha=0.0)
+    assert isinstance(chosen, Plan)
+    assert chosen == min((room, disk), key=lambda p: p.predicted_iteration_seconds)
+    assert chosen.predicted_iteration_seconds > full.predicted_iteration_seconds  # what the old plan missed
