@@ -20,7 +20,8 @@ def _bench_path(monkeypatch):
 @pytest.mark.parametrize(
     "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity",
              "budget_tradeoff", "contention", "huge_pages", "stage_overlap", "block_call_ab", "train_ab", "kinds", "ab",
-             "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom", "lora"]
+             "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom", "lora", "memory_limit",
+             "frozen_from_disk"]
 )
 def test_imports(name):
     sys.modules.pop(name, None)
