@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import SCRATCH, machine, save  # type: ignore[import-not-found]
+from common import SCRATCH, machine, on_worker, save  # type: ignore[import-not-found]
 from memory_limit import BENCH, CGROUP, run_limited  # type: ignore[import-not-found]
 from stream_memory import save_llama  # type: ignore[import-not-found]
 
@@ -47,7 +47,7 @@ def predictions(model: Path, offload: Path) -> dict[str, float]:
     placement = Placement.all_ssd()
     cfg = SnakeConfig(micro_batches=1, offload_dir=offload, placement=placement, alpha=0.0, device="cpu",
                       dtype="float32")
-    profile = profile_for_config(describe(streamed), cfg, 1, 32, "cpu")
+    profile = on_worker(profile_for_config, describe(streamed), cfg, 1, 32, "cpu")  # its probes off this thread
     x = shares(placement, profile.shape, 0.0, "vertical")
     out = {"mapped_frozen_bytes": mapped_frozen_bytes(profile.shape),
            "ssd_read_bytes_per_s": profile.ssd_read_bytes_per_s}
