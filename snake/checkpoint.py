@@ -58,7 +58,6 @@ import shutil
 import stat
 import threading
 import uuid
-import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,7 +147,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             "consumed_batches": trainer.source.consumed,
             "config": config_record(trainer.config),
             # off the event loop: the frozen parameters' digests read them whole
-            "model": await _blocking(e, functools.partial(model_spec, trainer.parts)),
+            "model": await _blocking(e, lambda: model_spec(trainer.parts, trainer_digests(trainer))),
             "model_config": model_config(trainer.parts),
             "missed_steps": missed_steps(e) if e is not None else {},
             "frozen_stored": store,
@@ -183,7 +182,8 @@ async def load_checkpoint(
     trainer._begin()
     try:
         manifest = await _blocking(None, functools.partial(read_manifest, target))
-        await _blocking(None, functools.partial(check_compatible, manifest, trainer.config, trainer.parts))
+        await _blocking(None, lambda: check_compatible(manifest, trainer.config, trainer.parts,
+                                                        trainer_digests(trainer)))
         trainer.config = fill_config(trainer.config, manifest)
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:
@@ -288,7 +288,10 @@ def model_config(parts: ModelParts) -> dict[str, Any] | None:
     return None
 
 
-def model_spec(parts: ModelParts) -> dict[str, Any]:
+def model_spec(parts: ModelParts, digests: dict[str, str] | None = None) -> dict[str, Any]:
+    """The model record of a manifest; `digests`: the frozen parameters' (`frozen_digests`),
+    taken here where not given."""
+    digests = frozen_digests(parts) if digests is None else digests
     return {
         "blocks_prefix": parts.blocks_prefix,
         "n_layer": len(parts.blocks),
@@ -297,28 +300,26 @@ def model_spec(parts: ModelParts) -> dict[str, Any]:
         "block_params": [[n, list(s)] for n, s in layer_specs(parts)[0]],
         **_kinds_spec(parts),
         "resident_params": [[n, list(p.shape)] for n, p in resident_named_params(parts)],
-        **_frozen_spec(parts),
+        **({"frozen_params": dict(sorted(digests.items()))} if digests else {}),
     }
 
 
-# each trainer's frozen parameters' digests (by its ModelParts), taken once: they do not
-# change while it trains, and every save read the whole frozen base for them (a LoRA of a
-# large model: its size at sha256's ~1.5 GB/s, and from the disk where not cached)
-_DIGESTS: weakref.WeakKeyDictionary[ModelParts, dict[str, str]] = weakref.WeakKeyDictionary()
-_DIGESTS_LOCK = threading.Lock()
-
-
-def _frozen_spec(parts: ModelParts) -> dict[str, Any]:
+def frozen_digests(parts: ModelParts) -> dict[str, str]:
     """The frozen parameters' digests (sha256 of their bytes), so that a load checks that
-    the model it is given holds the same (the checkpoint need not store them)."""
-    with _DIGESTS_LOCK:
-        digests = _DIGESTS.get(parts)
-    if digests is None:  # (one save or load of a trainer at a time)
-        # a layer at a time where a streamed model has them on the meta device
-        digests = {n: _digest(p) for n, p in iter_frozen(parts)}
-        with _DIGESTS_LOCK:
-            _DIGESTS[parts] = digests
-    return {"frozen_params": dict(sorted(digests.items()))} if digests else {}
+    the model it is given holds the same (the checkpoint need not store them); read a
+    layer at a time where a streamed model has them on the meta device."""
+    return {n: _digest(p) for n, p in iter_frozen(parts)}
+
+
+def trainer_digests(trainer: SnakeTrainer) -> dict[str, str]:
+    """Blocking: `frozen_digests` of the trainer's model, taken at its first save or load and
+    kept (`SnakeTrainer._frozen_digests`): the frozen parameters do not change while it
+    trains, and every save read the whole frozen base for them (a LoRA of a large model: its
+    size at sha256's ~1.5 GB/s, and from the disk where not cached). One save or load of a
+    trainer at a time."""
+    if trainer._frozen_digests is None:
+        trainer._frozen_digests = frozen_digests(trainer.parts)
+    return trainer._frozen_digests
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -498,9 +499,11 @@ def _check_model_record(model: dict[str, Any], n_layer: int, damaged: Callable[[
         raise damaged("model.frozen_params", frozen, "must map names to sha256 digests")
 
 
-def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: ModelParts) -> None:
-    """ConfigError naming the first field where the trainer differs from the checkpoint."""
-    want, have = manifest["model"], model_spec(parts)
+def check_compatible(manifest: dict[str, Any], config: SnakeConfig, parts: ModelParts,
+                     digests: dict[str, str] | None = None) -> None:
+    """ConfigError naming the first field where the trainer differs from the checkpoint;
+    `digests`: as `model_spec`."""
+    want, have = manifest["model"], model_spec(parts, digests)
     if have["n_layer"] != want["n_layer"]:
         raise ConfigError("model.n_layer", have["n_layer"], f"does not match the checkpoint's {want['n_layer']}", FIX)
     mine_frozen, theirs_frozen = have.get("frozen_params", {}), want.get("frozen_params", {})

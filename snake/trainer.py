@@ -95,6 +95,8 @@ class SnakeTrainer:
         self._data_ex: ThreadPoolExecutor | None = None
         self._closed = False
         self._broken: str | None = None
+        # the frozen parameters' digests, taken at the first save or load (snake.checkpoint)
+        self._frozen_digests: dict[str, str] | None = None
         self._running = False
         self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the engine's queues belong to
