@@ -169,17 +169,20 @@ def describe_hf(model: nn.Module) -> ModelParts | None:
     # first, which PEFT initialises itself): one made real otherwise (model.to_empty) would
     # train on whatever it holds
     for i, block in enumerate(parts.blocks):
-        stored = _stored_names(block) if has_peft_layers(block) else None
+        stored: set[str] | None = None  # taken where needed: a copy of the layer
         for name, p in block.named_parameters():
+            if p.is_meta or getattr(p, "snake_read", False):
+                continue
+            if stored is None and has_peft_layers(block):
+                stored = _stored_names(block)
             if stored is not None and _unwrapped_name(name) not in stored:
                 continue
-            if not p.is_meta and not getattr(p, "snake_read", False):
-                raise ModelError(
-                    f"model: {parts.blocks_prefix}.{i}.{name} of a model from stream_hf is no longer on the "
-                    "meta device, and snake did not read it (model.to_empty(...) leaves memory as it finds "
-                    "it): load the model again; a streamed model stays where stream_hf put it (.to(dtype) "
-                    "is fine, .to(device) is not)"
-                )
+            raise ModelError(
+                f"model: {parts.blocks_prefix}.{i}.{name} of a model from stream_hf is no longer on the "
+                "meta device, and snake did not read it (model.to_empty(...) leaves memory as it finds "
+                "it): load the model again; a streamed model stays where stream_hf put it (.to(dtype) "
+                "is fine, .to(device) is not)"
+            )
     return dataclasses.replace(parts, weights=weights)
 
 
