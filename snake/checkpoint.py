@@ -14,8 +14,9 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            of each file
   layer-00000.safetensors  one per block: `master/<name>`, `exp_avg/<name>`,
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
-                           named as in `model.state_dict()`, and `frozen/<name>` for each of the block's frozen parameters
-                           (requires_grad=False: never stepped; a load checks the model's
+                           named as in `model.state_dict()`, and `frozen/<name>` for each
+                           of the block's frozen parameters (requires_grad=False: never
+                           stepped; a load checks the model's
                            against their digests, which the manifest holds: not stored by
                            `save(frozen=False)`, nor by default for a PEFT model, whose base
                            is the user's; before round 37 in resident.safetensors)
