@@ -16,10 +16,10 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            `exp_avg_sq/<name>` (fp32) for each of the block's parameters,
                            named as in `model.state_dict()`, and `frozen/<name>` for each
                            of the block's frozen parameters (requires_grad=False: never
-                           stepped; a load checks the model's
-                           against their digests, which the manifest holds: not stored by
-                           `save(frozen=False)`, nor by default for a PEFT model, whose base
-                           is the user's; before round 37 in resident.safetensors)
+                           stepped; a load checks the model's against their digests, which
+                           the manifest holds: not stored by `save(frozen=False)`, nor by
+                           default for a PEFT model, whose base is the user's; before round
+                           37 in resident.safetensors)
   resident.safetensors     the same for the resident (pre/post) parameters (tied weights once),
                            and `frozen/<name>` for the other frozen parameters,
                            and `buffer/<name>` for every buffer in `model.state_dict()` (a
