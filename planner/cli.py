@@ -7,7 +7,11 @@
 `hf:DIR` is a Hugging Face model directory (its config.json; no weights are read, nothing
 is downloaded): the probes time a copy of the model built from its config with one
 layer, fresh weights (its own layer, embedding and head), and the plan is for all of its
-layers.
+layers. `--lora RANK [--lora-targets q_proj,v_proj]` plans a LoRA fine-tune of it (PEFT's
+adapters on its layers' linear modules, the rest frozen); `--stream`, for a model that
+`snake.hf.stream_hf` loads, whose layers' frozen weights stay in its files, mapped:
+
+    snake plan --model hf:path/to/model --seq-len 2048 --micro-batch-size 1 --lora 16 --stream ...
 
 Exit status: 0 with a plan, 2 when no configuration fits (the reason on stderr) or the
 arguments are wrong.
@@ -21,6 +25,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,14 @@ def _alpha(text: str) -> float:
     return value
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """Comma-separated module names (--lora-targets)."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of module names")
+    return names
+
+
 def _ssd_bandwidth(text: str) -> float:
     """`parse_size`, at least SnakeConfig's lowest cap (1 MB/s): below it the SSD probe
     does not finish (at 1 B/s it hangs)."""
@@ -84,6 +97,9 @@ class HFModel:
 
     path: str
     config: Any  # a transformers PretrainedConfig
+    lora: int | None = None  # --lora: the adapters' rank
+    lora_targets: tuple[str, ...] = ("all-linear",)  # --lora-targets: PEFT's target_modules
+    stream: bool = False  # --stream: the layers' frozen weights stay in the files, mapped
 
     @property
     def n_layer(self) -> int:
@@ -95,7 +111,27 @@ class HFModel:
         return int(n) if isinstance(n, int) else None
 
     def title(self) -> str:
-        return f"{self.config.model_type} {self.n_layer} x {self.config.hidden_size}"
+        lora = f", LoRA r={self.lora}" if self.lora else ""
+        return f"{self.config.model_type} {self.n_layer} x {self.config.hidden_size}{lora}"
+
+    def _adapted(self, model: Any) -> Any:
+        """The model with the LoRA adapters --lora asks for in it, as PEFT's `get_peft_model`
+        puts them (its base model, which snake trains), or the model itself."""
+        if self.lora is None:
+            return model
+        try:
+            import peft
+        except ImportError as e:
+            raise ConfigError("--lora", self.lora, "needs PEFT, which is not installed", "pip install peft") from e
+        targets = self.lora_targets
+        config = peft.LoraConfig(r=self.lora, target_modules="all-linear" if targets == ("all-linear",) else list(targets))
+        try:
+            with warnings.catch_warnings():  # PEFT reads a flag transformers 5 renamed
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                return peft.get_peft_model(model, config).get_base_model()
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError("--lora-targets", ",".join(targets), f"cannot take LoRA adapters: {e}",
+                              "name linear modules of the model's layers, e.g. q_proj,v_proj, or all-linear") from None
 
     def sample(self) -> tuple[Any, list[int] | None]:
         """(ModelParts of the model cut to its first layers, fresh weights: what the probes
@@ -116,7 +152,7 @@ class HFModel:
         for name, value in vars(cfg).items():
             if isinstance(value, list) and len(value) == self.n_layer and "layer" in name:
                 setattr(cfg, name, value[:keep])
-        parts = describe(load_hf(cfg))
+        parts = describe(self._adapted(load_hf(cfg)))
         cut, _ = layer_kinds(parts.blocks)
         if cut != kinds[:keep] or any(
                 param_signature(a) != param_signature(b) for a, b in zip(parts.blocks, whole.blocks[:keep], strict=True)
@@ -130,11 +166,17 @@ class HFModel:
             return parts, None
         return parts, [kinds.count(k) for k in range(len(firsts))]
 
-    def layer_sizes(self) -> list[int]:
-        """Parameters of each layer of the whole model (read on the meta device)."""
-        from snake.adapters import layer_numels
+    def whole_shape(self, shape: Any, *, pre: bool, dtype: str) -> Any:
+        """`shape` (the ModelShape of `sample`'s cut model, which the probes timed) with the
+        whole model's parameters counted (`planner.profile.param_counts`) on the meta
+        device; `pre`: whether its embedding trains a parameter (the sample's). With
+        --stream its layers' frozen weights are in the files, mapped, as `stream_hf` leaves
+        them (`ModelShape.layer_frozen_in_files`): the memory model does not count them."""
+        from planner.profile import param_counts
 
-        return layer_numels(self._meta_parts())
+        counts = param_counts(self._meta_parts(), dtype, pre=pre)
+        counts["layer_frozen_in_files"] = self.stream and counts["layer_frozen_params"] > 0
+        return dataclasses.replace(shape, **counts)
 
     def _meta_parts(self) -> Any:
         """The whole model's ModelParts on the meta device (shapes, no data)."""
@@ -143,7 +185,7 @@ class HFModel:
         from snake.hf import describe_hf, load_hf
 
         with torch.device("meta"):
-            model = load_hf(self.config)
+            model = self._adapted(load_hf(self.config))
         parts = describe_hf(model)
         if parts is None:
             from snake.hf import supported
@@ -237,6 +279,13 @@ def _parser() -> argparse.ArgumentParser:
                         "loss scale, whose steps all wait for the whole gradient; default: the best one")
     p.add_argument("--resident-optimizer", default="auto", choices=("auto", "cpu", "ssd"),
                    help="where the embeddings' and head's optimizer state lives (auto: the planner chooses)")
+    p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
+                   help="plan a LoRA fine-tune of an hf: model: PEFT's adapters of this rank, the rest frozen")
+    p.add_argument("--lora-targets", type=_names, default=None, metavar="NAMES",
+                   help="the modules --lora adapts, comma-separated (default: all-linear)")
+    p.add_argument("--stream", action="store_true",
+                   help="the hf: model is loaded with snake.hf.stream_hf: its layers' frozen weights "
+                        "stay in its files, mapped, outside the CPU budget")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, help="save the roofline plot to this image file")
     p.add_argument("--remeasure", action="store_true", help="ignore the cached profile")
@@ -244,8 +293,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) -> dict:
-    pl = plan.placement
+    pl, shape = plan.placement, profile.shape
     return {
+        # what the plan trains and what it holds frozen (a LoRA's base); layers of several
+        # kinds are counted at their mean
+        "trained_params": shape.n_layers * shape.layer_params + shape.resident_params,
+        "frozen_params": shape.n_layers * shape.layer_frozen_params + shape.frozen_params,
+        "frozen_in_files": shape.layer_frozen_in_files,
         "schedule": plan.schedule,
         "micro_batches": plan.n_micro,
         "alpha": plan.alpha,
@@ -270,7 +324,11 @@ def plan_json(plan: Plan, profile: MachineProfile, horizontal_seconds: float) ->
 def format_table(d: dict) -> str:
     p, prof = d["placement"], d["profile"]
     gib, rows = 2.0**30, []
+    frozen = (f", {d['frozen_params'] / 1e6:.4g} M frozen"
+              + (" (the layers' mapped from the model's files)" if d["frozen_in_files"] else "")
+              if d["frozen_params"] else "")
     rows += [
+        ("parameters", f"{d['trained_params'] / 1e6:.4g} M trained{frozen}"),
         ("schedule", d["schedule"]),
         ("micro-batches", str(d["micro_batches"])),
         ("alpha (delayed step)", f"{d['alpha']:.2f}"),
@@ -294,6 +352,18 @@ def format_table(d: dict) -> str:
          f"{prof['adam_elems_per_s'] / 1e9:.3g} G elem/s"),
     ]
     return "\n".join(f"{k:<22}{v}" for k, v in rows)
+
+
+def _check_lora(args: argparse.Namespace) -> None:
+    """--lora, --lora-targets and --stream: of an hf: model, --lora-targets with --lora."""
+    if not isinstance(args.model, HFModel):
+        for flag, value in (("--lora", args.lora), ("--lora-targets", args.lora_targets), ("--stream", args.stream)):
+            if value:
+                raise ConfigError(flag, MISSING, "plans a model from a Hugging Face directory only",
+                                  "give --model hf:DIR, or leave it out for the built-in GPT")
+    if args.lora_targets is not None and args.lora is None:
+        raise ConfigError("--lora-targets", MISSING, "names the modules of a LoRA fine-tune",
+                          "give --lora RANK with it, e.g. --lora 16")
 
 
 def _check_args(args: argparse.Namespace, *, measure: bool) -> None:
@@ -338,23 +408,28 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     except SystemExit as e:  # --help, or argparse's own error message
         return int(e.code or 0)
     try:
+        _check_lora(args)
         if isinstance(args.model, HFModel):
+            args.model = dataclasses.replace(args.model, lora=args.lora, stream=args.stream,
+                                             lora_targets=args.lora_targets or ("all-linear",))
             args.model.check_layers()  # before anything is written
         _check_args(args, measure=profile is None)
         if profile is None:
-            hf = isinstance(args.model, HFModel)
-            model, counts = args.model.sample() if isinstance(args.model, HFModel) else (args.model, None)
+            if isinstance(args.model, HFModel):
+                model, counts = args.model.sample()
+            else:
+                model, counts = args.model, None
             profile = measure_profile(
                 model, micro_batch_size=args.micro_batch_size, kind_counts=counts,
                 seq_len=args.seq_len or args.model.block_size, device=args.device, dtype=args.dtype,
                 offload_dir=args.offload_dir, ssd_bandwidth_bytes_per_s=args.ssd_bandwidth,
                 remeasure=args.remeasure,
             )
-            if hf:  # timed with the first layers; planned with all of them
-                sizes = args.model.layer_sizes()
-                profile = dataclasses.replace(profile, shape=dataclasses.replace(
-                    profile.shape, n_layers=len(sizes), layer_params=-(-sum(sizes) // len(sizes)),
-                    largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None))
+            if isinstance(args.model, HFModel):  # timed with the first layers; planned with all of them
+                from snake.adapters import pre_trains
+
+                profile = dataclasses.replace(profile, shape=args.model.whole_shape(
+                    profile.shape, pre=pre_trains(model), dtype=args.dtype))
         budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
         profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
     except (ConfigError, ModelError) as e:

@@ -16,7 +16,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -127,28 +127,42 @@ def shape_of(model_cfg: GPTConfig, micro_batch_size: int, seq_len: int, dtype: s
 
 def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype: str) -> ModelShape:
     """The ModelShape of any described model (`snake.adapters.describe`): its block's and its
-    resident parameters, counted; its hidden size and vocabulary, read from its embedding's
-    and its head's outputs on one token."""
-    from snake.adapters import (
-        frozen_in_files,
-        frozen_named,
-        hidden_size,
-        kept_fp32_params,
-        layer_numels,
-        lowest_backward,
-            resident_named_params,
-        vocab_size,
-    )
-    from snake.kernels import TORCH_DTYPES
+    resident parameters, counted (`param_counts`); its hidden size and vocabulary, read from
+    its embedding's and its head's outputs on one token."""
+    from snake.adapters import hidden_size, vocab_size
 
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", dtype, f"must be one of {tuple(DTYPE_BYTES)}")
     tokens = micro_batch_size * seq_len
+    return ModelShape(
+        **param_counts(parts, dtype),
+        ckpt_elems=tokens * hidden_size(parts),
+        tokens_per_micro=tokens,
+        dtype_bytes=DTYPE_BYTES[dtype],
+        hidden_bytes=4 if parts.hidden_fp32 is not None and DTYPE_BYTES[dtype] != 4 else None,
+        vocab_size=vocab_size(parts),
+    )
+
+
+def param_counts(parts: ModelParts, dtype: str, *, pre: bool | None = None) -> dict[str, Any]:
+    """The ModelShape fields a described model's parameters give, counted without running
+    it (so also of a model on the meta device, given `pre`: whether its embedding trains a
+    parameter, `snake.adapters.pre_trains`, probed where not given)."""
+    from snake.adapters import (
+        frozen_in_files,
+        frozen_named,
+        kept_fp32_params,
+        layer_numels,
+        lowest_backward,
+        resident_named_params,
+    )
+    from snake.kernels import TORCH_DTYPES
+
     sizes = layer_numels(parts)
-    lowest = lowest_backward(parts)
+    lowest = lowest_backward(parts, pre)
     frozen = [sum(p.numel() for _, p in frozen_named(b)) for b in parts.blocks]  # streamed with the layer
     slots = [p + f for p, f in zip(sizes, frozen, strict=True)]
-    return ModelShape(
+    return dict(
         n_layers=len(parts.blocks),
         layer_params=-(-sum(sizes) // len(sizes)),  # layers of several kinds: their mean
         largest_layer_params=max(sizes) if len(set(sizes)) > 1 else None,
@@ -158,12 +172,7 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
         # held on the device: pre/post's frozen parameters and the blocks' kept in fp32
         frozen_params=sum(p.numel() for p in parts.model.parameters() if not p.requires_grad) - sum(frozen),
         fp32_params=kept_fp32_params(parts),
-        ckpt_elems=tokens * hidden_size(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
-        tokens_per_micro=tokens,
-        dtype_bytes=DTYPE_BYTES[dtype],
-        hidden_bytes=4 if parts.hidden_fp32 is not None and DTYPE_BYTES[dtype] != 4 else None,
-        vocab_size=vocab_size(parts),
         bwd_layers=len(parts.blocks) - lowest if lowest else None,
     )
 
@@ -171,17 +180,22 @@ def shape_of_parts(parts: ModelParts, micro_batch_size: int, seq_len: int, dtype
 def architecture(parts: ModelParts) -> str | None:
     """What a described model's timings depend on beyond its shape, for the profile cache:
     its classes, its block_fn and its Hugging Face config (with the attention
-    implementation). None for a model without such a config: nothing then tells two of its
-    kind apart (an attribute or a block_fn can change the compute, not the shape), so its
-    profile is measured every time rather than shared (an audit's repro had a second model
-    9x slower reuse the first's timings)."""
+    implementation), and the configs of the PEFT adapters in it (two LoRAs of the same
+    size on other modules time differently). None for a model without such a config:
+    nothing then tells two of its kind apart (an attribute or a block_fn can change the
+    compute, not the shape), so its profile is measured every time rather than shared (an
+    audit's repro had a second model 9x slower reuse the first's timings)."""
     cfg = getattr(parts.model, "config", None)
     if cfg is None or not hasattr(cfg, "to_dict"):
         return None
     fn = getattr(parts.block_fn, "__qualname__", type(parts.block_fn).__qualname__)
     names = f"{type(parts.model).__qualname__}/{type(parts.blocks[0]).__qualname__}/{fn}"
-    blob = json.dumps({**cfg.to_dict(), "attn": str(getattr(cfg, "_attn_implementation", ""))},
-                      sort_keys=True, default=str)
+    what = {**cfg.to_dict(), "attn": str(getattr(cfg, "_attn_implementation", ""))}
+    peft = getattr(parts.model, "peft_config", None)  # get_peft_model puts it on the base model
+    if isinstance(peft, dict) and peft:
+        what["peft"] = {str(k): c.to_dict() if hasattr(c, "to_dict") else str(c) for k, c in peft.items()}
+    # sets (PEFT's target_modules) in their sorted order: a str of a set changes run to run
+    blob = json.dumps(what, sort_keys=True, default=lambda o: sorted(map(str, o)) if isinstance(o, (set, frozenset)) else str(o))
     return f"{names}/{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 

@@ -64,6 +64,39 @@ def test_the_profile_cache_tells_architectures_apart(tmp_path):
     assert not list(plain.glob("snake-profile-*.json"))
 
 
+_PEFT_KEYS = """
+import warnings
+warnings.simplefilter("ignore")
+import peft
+from planner.profile import architecture
+from snake.adapters import describe
+from tests.test_hf import make
+for targets in (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj"], ["o_proj"]):
+    print(architecture(describe(peft.get_peft_model(make("llama"), peft.LoraConfig(r=4, target_modules=targets)))))
+"""
+
+
+def test_the_profile_cache_tells_loras_apart():
+    """Two LoRAs of one shape on other modules (q_proj and o_proj, both 64 -> 64) do not
+    share cached timings, nor a LoRA the model without it; the key of one is the same in
+    every process (PEFT's targets are a set, whose order changes with the hash seed: seeds
+    1 and 2 order these seven differently)."""
+    import os
+    import subprocess
+    import sys
+
+    def keys(seed: str) -> list[str]:
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", _PEFT_KEYS], capture_output=True, text=True, env=env,
+                              timeout=120, check=True)
+        return done.stdout.split()
+
+    one = keys("1")
+    assert one == keys("2")
+    every, q, o = one
+    assert len({every, q, o, architecture(describe(make("llama")))}) == 4
+
+
 @pytest.mark.asyncio
 async def test_trainer_plans_a_hugging_face_model_under_its_budget(tmp_path):
     model = make("llama", num_hidden_layers=12)  # more layers than staging buffers

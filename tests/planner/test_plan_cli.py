@@ -189,6 +189,81 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
     assert got["shape"] == shape_of_parts(full, 2, 32, "float32")
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's
+@pytest.mark.parametrize("stream", [False, True])
+def test_lora_of_an_hf_model_is_planned_with_the_trainers_shape(tmp_path, capsys, monkeypatch, stream):
+    """`--lora RANK` plans a LoRA fine-tune of an hf: model: the shape searched is the one
+    the trainer plans with for PEFT's adapters on the model (loaded, or from `stream_hf`
+    with `--stream`, whose layers' frozen weights stay in the files, outside the budget);
+    the output says what is trained and what is frozen. `--lora-targets` adapts fewer
+    modules."""
+    import peft
+    import transformers
+
+    import planner.cli as cli
+    from planner.profile import measure_profile, shape_of_parts
+    from snake.adapters import describe
+    from snake.hf import load_hf, stream_hf
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=12, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=200, max_position_embeddings=64)
+    d = tmp_path / "llama"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    monkeypatch.setattr(cli, "measure_profile", lambda model, **kw: measure_profile(
+        model, **{**kw, "io_bytes": 16 << 20, "seconds_per_probe": 0.05}))
+    got = {}
+    real_search = cli.search
+    monkeypatch.setattr(cli, "search", lambda profile, **kw: got.setdefault("shape", profile.shape) and real_search(profile, **kw))
+    argv = ["--model", f"hf:{d}", "--seq-len", "32", "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "off"),
+            "--cpu-memory", "4GiB", "--lora", "4", *(["--stream"] if stream else [])]
+    assert plan_main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    model = (stream_hf if stream else load_hf)(str(d))
+    trainer_sees = describe(peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear")))
+    shape = shape_of_parts(trainer_sees, 2, 32, "float32")
+    assert got["shape"] == shape and shape.layer_frozen_in_files is stream
+    trained = sum(p.numel() for p in trainer_sees.model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in trainer_sees.model.parameters() if not p.requires_grad)
+    assert (plan["trained_params"], plan["frozen_params"], plan["frozen_in_files"]) == (trained, frozen, stream)
+    assert plan_main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("parameters"))
+    assert row.split(None, 1)[1] == (f"{trained / 1e6:.4g} M trained, {frozen / 1e6:.4g} M frozen"
+                                     + (" (the layers' mapped from the model's files)" if stream else ""))
+    assert plan_main([*argv, "--json", "--lora-targets", "q_proj, v_proj"]) == 0
+    fewer = json.loads(capsys.readouterr().out)
+    per_layer = 4 * (64 + 64) + 4 * (64 + 32)  # q_proj 64 -> 64, v_proj 64 -> 32 (two key-value heads)
+    assert fewer["trained_params"] == 12 * per_layer < plan["trained_params"]
+
+
+def test_lora_weights_left_in_their_files_plan_where_loaded_ones_do_not_fit(tmp_path, capsys, monkeypatch):
+    """A budget that cannot hold a LoRA's frozen base in CPU memory: loaded (`load_hf`) the
+    fine-tune is infeasible, and the error says so; streamed (`--stream`) it plans, with
+    the frozen weights read from the SSD at every load of a layer (more than the page cache
+    the budget leaves would keep)."""
+    import transformers
+
+    import planner.cli as cli
+    from planner.profile import measure_profile
+
+    monkeypatch.setattr(cli, "measure_profile", lambda model, **kw: measure_profile(
+        model, **{**kw, "io_bytes": 16 << 20, "seconds_per_probe": 0.05}))
+    transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256
+                             ).save_pretrained(tmp_path / "llama")
+    argv = ["--model", f"hf:{tmp_path / 'llama'}", "--seq-len", "128", "--micro-batch-size", "2", "--lora", "8",
+            "--offload-dir", str(tmp_path / "off"), "--json"]
+    assert plan_main([*argv, "--stream"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    frozen_bytes = roomy["frozen_params"] * 4
+    budget = str(int(roomy["host_total_bytes"] + frozen_bytes / 2))  # the streamed run's need, and half the base
+    assert plan_main([*argv, "--cpu-memory", budget]) == 2
+    assert "snake plan: infeasible: CPU memory" in capsys.readouterr().err
+    assert plan_main([*argv, "--cpu-memory", budget, "--stream"]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["frozen_from_disk"] and tight["host_total_bytes"] <= int(budget)
+    assert tight["ssd_bytes_per_iteration"] >= frozen_bytes * 0.9  # the layers' share of them, read once each
+
+
 @pytest.mark.parametrize(
     ("model", "extra", "says"),
     [
@@ -197,6 +272,15 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
         ("hf:{tmp}/llama", ["--seq-len", "100"], "must be <= the model's max_position_embeddings=64"),
         # what training refuses in the whole model, though its first layer alone would plan
         ("hf:{tmp}/router-loss", ["--seq-len", "32"], "output_router_logits=True"),
+        ("gpt:n_layer=2", ["--lora", "4"], "snake plan: --lora plans a model from a Hugging Face directory only ("),
+        ("gpt:n_layer=2", ["--stream"], "snake plan: --stream plans a model from a Hugging Face directory only ("),
+        ("hf:{tmp}/llama", ["--seq-len", "32", "--lora-targets", "q_proj"],
+         "snake plan: --lora-targets names the modules of a LoRA fine-tune (give --lora RANK with it"),
+        ("hf:{tmp}/llama", ["--seq-len", "32", "--lora", "4", "--lora-targets", "nothing"],
+         "snake plan: --lora-targets='nothing' cannot take LoRA adapters: "),
+        ("hf:{tmp}/llama", ["--seq-len", "32", "--lora", "0"], "argument --lora: 0 must be an integer >= 1"),
+        ("hf:{tmp}/llama", ["--seq-len", "32", "--lora", "4", "--lora-targets", "q_proj,,v_proj"],
+         "is not a comma-separated list of module names"),
     ],
 )
 def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
