@@ -4,6 +4,7 @@ hold, measured against the planner's two models of it: the frozen weights in the
 of a layer (`planner.model.vertical_phases(frozen_from_disk=True)`).
 
     sudo python benchmarks/frozen_from_disk.py [--steps 6]   # ~5 min; root and a cgroup v1 memory controller
+    sudo python benchmarks/frozen_from_disk.py --base REV [--pairs 3]   # and the limited run A/B against REV
 
 Saves `stream_memory.py`'s Llama (12 layers of width 1024, bf16 safetensors) and trains it as
 `stream_memory.py --frozen` does (loaded with `stream_hf` in float32, every layer parameter
@@ -12,7 +13,9 @@ everything on SSD, alpha 0, one 1 x 32-token micro-batch, float32 compute on the
 fresh process: once without a memory limit, then in a memory cgroup whose limit is that run's
 anonymous peak plus `--room` MiB, less than the mapped frozen weights. The planner's profile
 of the same model (its probes, in this process) gives both predictions. Reports the step
-seconds (median after the first), the major page faults and both predictions. Writes
+seconds (median after the first), the major page faults and both predictions. With `--base
+REV` the limited run is repeated `--pairs` times from this tree and from REV (a temporary git
+worktree), alternating, and each pair's ratio of median step times is reported. Writes
 benchmarks/results/frozen_from_disk.json.
 """
 
@@ -24,8 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import SCRATCH, machine, on_worker, save  # type: ignore[import-not-found]
-from memory_limit import BENCH, CGROUP, run_limited  # type: ignore[import-not-found]
+from ab import base_worktree  # type: ignore[import-not-found]
+from common import ROOT, SCRATCH, machine, on_worker, save  # type: ignore[import-not-found]
+from memory_limit import CGROUP, run_limited  # type: ignore[import-not-found]
 from stream_memory import save_llama  # type: ignore[import-not-found]
 
 
@@ -61,6 +65,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--room", type=int, default=64, help="MiB over the free run's anonymous peak (the limit)")
+    ap.add_argument("--base", default=None, help="also run the limited run from this git revision, alternating")
+    ap.add_argument("--pairs", type=int, default=3, help="limited runs from each tree with --base")
     args = ap.parse_args()
     if not (CGROUP / "memory.limit_in_bytes").exists():
         raise SystemExit(f"needs a cgroup v1 memory controller at {CGROUP} (and root)")
@@ -73,15 +79,13 @@ def main() -> None:
               f"read from the SSD ({pred['mapped_frozen_bytes'] / 2**20:.0f} MiB mapped, SSD read "
               f"{pred['ssd_read_bytes_per_s'] / 1e6:.0f} MB/s)", flush=True)
 
-        def argv(i: int) -> list[str]:
-            return [sys.executable, str(BENCH / "stream_memory.py"), "--frozen", "--child", "stream_hf", str(model),
-                    str(args.steps), f"{tmp}/off-{i}", "float32"]
+        def argv(i: int, tree: Path = ROOT) -> list[str]:
+            return [sys.executable, str(tree / "benchmarks" / "stream_memory.py"), "--frozen", "--child", "stream_hf",
+                    str(model), str(args.steps), f"{tmp}/off-{i}", "float32"]
 
-        runs = []
-        free = run_limited(argv(0), None, "frozen-free")
-        limit = int((free["anon_peak_mib"] + args.room) * 2**20)
-        limited = run_limited(argv(1), limit, "frozen-limited")
-        for label, r in (("no limit", free), (f"limit {limit / 2**20:.0f} MiB", limited)):
+        runs: list[dict] = []
+
+        def report(label: str, r: dict) -> float | None:
             steps = r["step_s"] or []
             median = statistics.median(steps[1:]) if len(steps) > 1 else None
             runs.append({"label": label, **r, "median_step_s": median})
@@ -89,7 +93,30 @@ def main() -> None:
                   f"{median if median is None else round(median, 3)}), major faults {r['major_faults']}, anonymous "
                   f"peak {r['anon_peak_mib']} MiB, cgroup peak {r['peak_bytes'] / 2**20:.0f} MiB, losses {r['losses']}",
                   flush=True)
-    result = {"machine": machine(), "args": vars(args), "limit": limit, "predicted": pred, "runs": runs}
+            return median
+
+        free = run_limited(argv(0), None, "frozen-free")
+        report("no limit", free)
+        limit = int((free["anon_peak_mib"] + args.room) * 2**20)
+        limited = f"limit {limit / 2**20:.0f} MiB"
+        ratios = []
+        if args.base is None:
+            report(limited, run_limited(argv(1), limit, "frozen-limited"))
+        else:
+            with base_worktree(args.base) as (base, tree):
+                for i in range(args.pairs):  # alternating, the base first in even pairs
+                    order = [("base", tree), ("this", ROOT)] if i % 2 == 0 else [("this", ROOT), ("base", tree)]
+                    got = {who: report(f"{limited}, {who if who == 'this' else base}",
+                                       run_limited(argv(2 + 2 * i + (who == "this"), t), limit, "frozen-limited", t))
+                           for who, t in order}
+                    if got["this"] and got["base"]:
+                        ratios.append(got["this"] / got["base"])
+                        print(f"pair {i}: this / {base} {ratios[-1]:.3f}", flush=True)
+            if ratios:
+                print(f"this / {base}: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
+                      f"{[round(r, 3) for r in ratios]}", flush=True)
+    result = {"machine": machine(), "args": vars(args), "limit": limit, "predicted": pred, "runs": runs,
+              "ratios_this_over_base": ratios}
     print(f"saved {save('frozen_from_disk', result)}")
 
 

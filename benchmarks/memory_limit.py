@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,8 +48,9 @@ def _stat(group: Path, key: str) -> int:
     return 0
 
 
-def run_limited(argv: list[str], limit: int | None, name: str) -> dict:
-    """`argv` (a python command) in a fresh memory cgroup with `limit` bytes (None: none)."""
+def run_limited(argv: list[str], limit: int | None, name: str, tree: Path | None = None) -> dict:
+    """`argv` (a python command) in a fresh memory cgroup with `limit` bytes (None: none);
+    with `tree` (a worktree of another revision), run in it, importing its snake."""
     group = CGROUP / f"snake-bench-{name}"
     if group.exists():
         group.rmdir()
@@ -58,8 +60,9 @@ def run_limited(argv: list[str], limit: int | None, name: str) -> dict:
             (group / "memory.limit_in_bytes").write_text(str(limit))
         # the shell joins the group, then becomes the run: everything it allocates is charged there
         script = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
-        out = subprocess.run(["sh", "-c", script, "sh", *argv], cwd=ROOT, capture_output=True, text=True,
-                             timeout=1200)
+        env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+        out = subprocess.run(["sh", "-c", script, "sh", *argv], cwd=tree or ROOT, capture_output=True, text=True,
+                             timeout=1200, env=env)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines and out.returncode == 0 else {}
         return {
