@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ def proxy_config(shape: ModelShape, seq_len: int) -> GPTConfig:
 
 def profile_for_config(
     model: GPTConfig | ModelShape | ModelParts, config: SnakeConfig, micro_batch_size: int, seq_len: int,
-    device: str,
+    device: str, stop: threading.Event | None = None,
 ) -> MachineProfile:
     """Measured (or cached) profile with the config's memory budgets applied. model: a GPT
     config, a shape (a GPT block of its width is timed) or any described model (its own
@@ -57,7 +58,7 @@ def profile_for_config(
     profile = measure_profile(
         cfg, micro_batch_size=micro_batch_size, seq_len=seq_len, device=str(device),
         dtype=config.dtype, offload_dir=config.offload_dir,
-        ssd_bandwidth_bytes_per_s=config.ssd_bandwidth_bytes_per_s,
+        ssd_bandwidth_bytes_per_s=config.ssd_bandwidth_bytes_per_s, stop=stop,
     )
     if isinstance(model, ModelShape):
         profile = dataclasses.replace(profile, shape=model)
@@ -168,12 +169,14 @@ def plan_for_batch(
     *,
     profile: MachineProfile | None = None,
     max_n: int = 64,
+    stop: threading.Event | None = None,
 ) -> Plan | Infeasible:
     """Plan for a fixed global batch: n among the divisors of global_batch_size (<= max_n),
     micro-batch = global_batch_size / n; the smallest n within 1 % of the best throughput.
 
     profile: measured at any micro-batch size (default: measured here at the largest
-    micro-batch <= MEASURE_MICRO_BATCH that divides the batch); it is rescaled per n."""
+    micro-batch <= MEASURE_MICRO_BATCH that divides the batch); it is rescaled per n. stop:
+    once set, the probes stop at their next round (Stopped)."""
     b = global_batch_size
     if config.micro_batches is not None:
         if b % config.micro_batches:
@@ -184,10 +187,10 @@ def plan_for_batch(
     second: MachineProfile | None = None
     if profile is None:
         mb0 = max(b // n for n in range(1, b + 1) if b % n == 0 and b // n <= MEASURE_MICRO_BATCH)
-        profile = profile_for_config(model, config, mb0, seq_len, device)
+        profile = profile_for_config(model, config, mb0, seq_len, device, stop)
         mb1 = min(b // n for n in ns)
         if mb1 != mb0:  # a second size: per-micro-batch time is affine, not linear, in its size
-            second = profile_for_config(model, config, mb1, seq_len, device)
+            second = profile_for_config(model, config, mb1, seq_len, device, stop)
     else:
         profile = with_budgets(profile, config)
     mb_measured = profile.shape.tokens_per_micro / seq_len
@@ -232,10 +235,11 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
 
     rng = torch.get_rng_state()  # the probes draw random inputs: the user's stream stays as it was
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    stop = threading.Event()  # a cancellation stops the probes at their next round
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="snake-planner", initializer=name_native_thread) as ex:
             plan = await run_blocking(
-                ex, lambda: plan_for_batch(what, config, b, t, str(trainer.device))
+                ex, lambda: plan_for_batch(what, config, b, t, str(trainer.device), stop=stop), on_cancel=stop.set
             )
     finally:
         torch.set_rng_state(rng)

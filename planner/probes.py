@@ -34,6 +34,7 @@ from snake.adapters import (
 )
 from snake.config import AdamW, SnakeConfig
 from snake.device import pin_host_memory, synchronize
+from snake.errors import Stopped
 from snake.io import open_storage
 from snake.io.base import TokenBucket
 from snake.kernels import TORCH_DTYPES, Kernels
@@ -50,6 +51,13 @@ MAX_BLOCK_PASSES = 6  # block probe passes at most, while the backward reads <= 
 # most this (the dynamic ceiling of M_MMAP_THRESHOLD on 64-bit); the trim threshold to twice it
 MMAP_THRESHOLD_MAX = 32 * MiB
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_stop(stop: threading.Event | None) -> None:
+    """Stopped once `stop` is set: the planning that waits for the probes was cancelled
+    (a cancelled first run()); they stop at their next round rather than run for seconds."""
+    if stop is not None and stop.is_set():
+        raise Stopped("measuring the machine's profile cancelled part-way (nothing was cached)")
 
 
 def _median_seconds(
@@ -89,7 +97,7 @@ def settle_allocator() -> None:
 
 def block_seconds(
     cfg, mb: int, seq: int, device: torch.device, dtype, seconds: float, *, parts: ModelParts | None = None,
-    kind_counts: list[int] | None = None,
+    kind_counts: list[int] | None = None, stop: threading.Event | None = None,
 ):
     """(forward, recompute, backward) seconds of one Block on one micro-batch.
 
@@ -101,10 +109,10 @@ def block_seconds(
     training does: each stage brings another layer's weights. Timing one block over and
     over keeps its weights in cache and under-reports by up to ~2x on a CPU. kind_counts:
     the layers of each kind in the whole model, where `parts` holds a sample of its layers
-    with every kind in it (`snake plan`'s Hugging Face models)."""
+    with every kind in it (`snake plan`'s Hugging Face models). stop: `check_stop`."""
     if parts is None:
         gpt = describe(GPT(dataclasses.replace(cfg, n_layer=1)))
-        return _kind_seconds(gpt, [0], lambda i: Block(cfg), cfg.n_embd, mb, seq, device, dtype, seconds)
+        return _kind_seconds(gpt, [0], lambda i: Block(cfg), cfg.n_embd, mb, seq, device, dtype, seconds, stop)
     kinds, firsts = layer_kinds(parts.blocks)
     hidden = hidden_size(parts)
     timed = []
@@ -112,7 +120,7 @@ def block_seconds(
         layers = [i for i, k in enumerate(kinds) if k == kind]
         timed.append((len(layers), _kind_seconds(
             parts, layers, lambda i: _copy_block(parts, i), hidden, mb, seq, device, dtype,
-            seconds / len(firsts))))
+            seconds / len(firsts), stop)))
     if kind_counts is not None:
         if len(kind_counts) != len(timed):
             raise ValueError(f"kind_counts: {len(kind_counts)} counts for a model of {len(timed)} layer kinds")
@@ -137,7 +145,7 @@ def _copy_block(parts: ModelParts, layer: int) -> torch.nn.Module:
 
 def _kind_seconds(
     parts: ModelParts, layers: list[int], new_block: Callable[[int], torch.nn.Module], hidden: int,
-    mb: int, seq: int, device: torch.device, dtype, seconds: float,
+    mb: int, seq: int, device: torch.device, dtype, seconds: float, stop: threading.Event | None = None,
 ) -> tuple[float, float, float]:
     """(forward, recompute, backward) seconds of `parts`' layers `layers` (one kind), cycling
     through copies of up to 8 of them (`new_block(layer)`)."""
@@ -199,6 +207,7 @@ def _kind_seconds(
         times: list[list[float]] = [[], [], []]
         start = time.perf_counter()
         while len(times[0]) < 3 or (time.perf_counter() - start < 3 * seconds and len(times[0]) < 50):
+            check_stop(stop)
             for i, (run, prep) in enumerate(((fwd, None), (recompute, None), (bwd, build))):
                 if prep is not None:
                     prep()
@@ -315,9 +324,9 @@ def adam_elems_per_s(seconds: float, n: int = 1 << 22) -> float:
     )
 
 
-def _transfer(f, op: str, total: int, threads: int) -> float:
+def _transfer(f, op: str, total: int, threads: int, stop: threading.Event | None = None) -> float:
     """Bytes/s of `op` ("pread"/"pwrite") over [0, total) in SSD_CHUNK pieces on `threads`
-    threads, stopping after SSD_SECONDS."""
+    threads, stopping after SSD_SECONDS (Stopped once `stop` is set)."""
     done = [0] * threads
     deadline = time.monotonic() + SSD_SECONDS
     offsets = list(range(0, total, SSD_CHUNK))
@@ -330,7 +339,7 @@ def _transfer(f, op: str, total: int, threads: int) -> float:
                 for off in offsets[i::threads]:
                     getattr(f, op)(view, off)
                     done[i] += SSD_CHUNK
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or (stop is not None and stop.is_set()):
                         break
             finally:
                 view.release()
@@ -339,11 +348,12 @@ def _transfer(f, op: str, total: int, threads: int) -> float:
     with ThreadPoolExecutor(threads, thread_name_prefix="ssd-probe") as pool:
         for fut in [pool.submit(worker, i) for i in range(threads)]:
             fut.result()
+    check_stop(stop)
     return sum(done) / (time.perf_counter() - t0)
 
 
 def ssd_bytes_per_s(
-    offload_dir: Path, io_bytes: int, cap: float | None, threads: int = 2
+    offload_dir: Path, io_bytes: int, cap: float | None, threads: int = 2, stop: threading.Event | None = None
 ) -> tuple[float, float]:
     """(read, write) bytes/s through open_storage (O_DIRECT where the file system allows),
     with the token-bucket cap when given. Writes io_bytes, then reads them back."""
@@ -354,8 +364,8 @@ def ssd_bytes_per_s(
     path = offload_dir / f".snake-profile-{os.getpid()}-{threading.get_ident()}.bin"
     f = open_storage(path, total, bucket=TokenBucket(cap) if cap is not None else None)
     try:
-        write = _transfer(f, "pwrite", total, threads)
-        read = _transfer(f, "pread", total, threads)
+        write = _transfer(f, "pwrite", total, threads, stop)
+        read = _transfer(f, "pread", total, threads, stop)
     finally:
         f.close()
         path.unlink(missing_ok=True)
@@ -365,22 +375,26 @@ def ssd_bytes_per_s(
 def measure_all(
     cfg, *, micro_batch_size: int, seq_len: int, device: str, dtype: str, offload_dir: Path,
     cap: float | None, io_bytes: int, seconds: float, parts: ModelParts | None = None,
-    kind_counts: list[int] | None = None,
+    kind_counts: list[int] | None = None, stop: threading.Event | None = None,
 ) -> dict[str, float]:
     """Every measured field of a MachineProfile (memory excluded), as a dict. parts: time
-    that model's blocks and pre/post (`cfg` unused), else built-in GPT ones of `cfg`."""
+    that model's blocks and pre/post (`cfg` unused), else built-in GPT ones of `cfg`. stop:
+    once set, Stopped at the next round of a probe (`check_stop`)."""
     dev = torch.device(device)
     tdtype = _DTYPES[dtype]
     settle_allocator()
     fwd, rec, bwd = block_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts,
-                                  kind_counts=kind_counts)
+                                  kind_counts=kind_counts, stop=stop)
+    check_stop(stop)
     h2d, d2h = copy_bytes_per_s(dev, COPY_BYTES, seconds)
-    read, write = ssd_bytes_per_s(offload_dir, io_bytes, cap)
+    read, write = ssd_bytes_per_s(offload_dir, io_bytes, cap, stop=stop)
+    pre_post = pre_post_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts)
+    check_stop(stop)
     return {
         "fwd_seconds": fwd,
         "recompute_seconds": rec,
         "bwd_seconds": bwd,
-        "pre_post_seconds": pre_post_seconds(cfg, micro_batch_size, seq_len, dev, tdtype, seconds, parts=parts),
+        "pre_post_seconds": pre_post,
         "h2d_bytes_per_s": h2d,
         "d2h_bytes_per_s": d2h,
         "ssd_read_bytes_per_s": read,

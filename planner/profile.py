@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -254,6 +255,7 @@ def measure_profile(
     remeasure: bool = False,
     seconds_per_probe: float = 0.4,
     kind_counts: list[int] | None = None,
+    stop: threading.Event | None = None,
 ) -> MachineProfile:
     """Measure (or load from offload_dir's cache) the profile of `model_cfg` on `device`.
 
@@ -263,8 +265,9 @@ def measure_profile(
     SSD (each direction, capped at 256 MiB and at about 2 s of transfer). seconds_per_probe: time spent repeating each timed probe.
     remeasure: ignore (and overwrite) the cache. kind_counts: where model_cfg holds a sample
     of a model's layers with each of its kinds (`snake.adapters.layer_kinds`), how many
-    layers of each kind the whole model has: the block times are averaged with them.
-    Takes ~5-15 s on two CPU cores."""
+    layers of each kind the whole model has: the block times are averaged with them. stop:
+    once set, the probes raise Stopped at their next round (a cancelled planning). Takes
+    ~5-15 s on two CPU cores."""
     from planner import probes
     from snake.adapters import ModelParts
 
@@ -294,6 +297,7 @@ def measure_profile(
             io_bytes=min(int(io_bytes), 256 * MiB),
             seconds=seconds_per_probe,
             kind_counts=kind_counts,
+            stop=stop,
         )
         if cache:
             Path(offload_dir).mkdir(parents=True, exist_ok=True)

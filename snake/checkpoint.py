@@ -200,16 +200,21 @@ async def load_checkpoint(
 async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool) -> None:
     consumed = int(manifest["consumed_batches"])
     if skip_data and consumed:
-        with ThreadPoolExecutor(1, thread_name_prefix="snake-checkpoint", initializer=name_native_thread) as ex:
-            try:
-                for _ in range(consumed):
-                    await trainer.source.next(ex)
-            except DataError as exc:
-                raise DataError(
-                    f"load: the checkpoint has consumed {consumed} global batches but data ran out "
-                    f"after {trainer.source.consumed}; pass the data the checkpoint was trained on "
-                    "(from its start), or load(..., skip_data=False) with data that starts after them"
-                ) from exc
+        ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data", initializer=name_native_thread)
+        try:
+            for _ in range(consumed):
+                await trainer.source.next(ex)
+        except DataError as exc:
+            raise DataError(
+                f"load: the checkpoint has consumed {consumed} global batches but data ran out "
+                f"after {trainer.source.consumed}; pass the data the checkpoint was trained on "
+                "(from its start), or load(..., skip_data=False) with data that starts after them"
+            ) from exc
+        finally:
+            # joined unless a cancellation left the user's next() running there (it may block
+            # for long, and the load does not wait for it, as run() does not): that thread
+            # ends when it returns
+            ex.shutdown(wait=not trainer.source.fetching(), cancel_futures=True)
     trainer.source.consumed = consumed
     await trainer._setup()
     check_resolved(trainer.config, manifest)
@@ -650,6 +655,7 @@ def _save_blocking(
         manifest = {**manifest, "files": files}
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
         _fsync_dir(tmp)
+        check_stop()  # the last point at which a cancellation keeps the old checkpoint
         _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -908,7 +914,16 @@ def _check_save_space(trainer: SnakeTrainer, target: Path, frozen: bool) -> None
     e = trainer.engine
     if e is not None and e.kernels.res_store is not None:
         scratch = 3 * 4 * sum(s.numel() for s in e.kernels.res_shapes)
-        here = needs.setdefault(e.offload_dir.stat().st_dev, (e.offload_dir, []))
+        try:
+            offload = e.offload_dir.stat()
+        except FileNotFoundError:  # removed while the trainer ran (its open files live on)
+            raise StorageError(
+                errno.ENOENT,
+                f"save: the offload_dir {e.offload_dir} is gone (removed while the trainer ran: a temporary-files "
+                "cleaner?), and the save needs it for a scratch copy of the resident optimizer state on SSD; "
+                "nothing was changed: create the directory again and save again",
+            ) from None
+        here = needs.setdefault(offload.st_dev, (e.offload_dir, []))
         here[1].append(("a scratch copy of the resident optimizer state on SSD, in the offload_dir", scratch))
     for dev, (path, what) in needs.items():
         free = shutil.disk_usage(path).free

@@ -22,7 +22,9 @@ class DataSource:
 
     A cancellation does not wait for a sync iterator's `next()` (the user's code, which may
     block for long: a stuck loader, a queue): the call goes on on its thread, and the batch
-    it returns is the one the next `next()` hands out, so none is skipped."""
+    it returns is the one the next `next()` hands out, so none is skipped. An async one's
+    `__anext__` goes on as a task of its own likewise (a cancellation thrown into an async
+    generator would end it for good)."""
 
     def __init__(self, data: Any) -> None:
         if hasattr(data, "__aiter__"):
@@ -46,13 +48,13 @@ class DataSource:
     async def next(self, executor: Executor) -> Any:
         if self._peeked:
             item = self._peeked.pop()
-        elif self._aiter is not None:
-            item = await anext(self._aiter, _END)
-            self._taken += 1
         else:
-            assert self._iter is not None
             pending = self._pending
-            if pending is None:
+            if pending is None and self._aiter is not None:
+                pending = self._pending = asyncio.ensure_future(anext(self._aiter, _END))
+                pending.add_done_callback(_retrieved)  # its error, where no run awaits it any more
+            elif pending is None:
+                assert self._iter is not None
                 self._call = executor.submit(next, self._iter, _END)
                 pending = self._pending = asyncio.wrap_future(self._call)
             try:
@@ -70,6 +72,12 @@ class DataSource:
             )
         self.consumed += 1
         return item
+
+    def release(self) -> None:
+        """Drop the iterator (the trainer is closed): a DataLoader's worker processes, which
+        its iterator owns, end with it. The data it came from is the user's, left as it is."""
+        self._iter = self._aiter = None
+        self._peeked.clear()
 
     def left(self) -> int | None:
         """Batches still to come from a list or tuple (None: the data does not say)."""
@@ -96,6 +104,11 @@ class DataSource:
         self.consumed -= 1
         self._peeked.append(item)
         return item
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 IGNORE_INDEX = -100  # a target that is not trained on (Hugging Face's and F.cross_entropy's convention)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,7 +31,7 @@ import torch
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.data import split_batch
-from snake.device import synchronize
+from snake.device import helper_thread_init, synchronize
 from snake.errors import ConfigError, DataError
 from snake.io.base import align_up
 
@@ -97,11 +98,20 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
         e = trainer.engine
         assert e is not None
         await trainer._flush("evaluate")
-        data_ex = trainer._data_ex
-        assert data_ex is not None
+        # a sync iterator's next() on a thread of its own: a cancellation (a timeout, close())
+        # does not wait for it, as run() does not (the user's code may block for long); the
+        # thread ends when it returns, and training's data thread is not kept waiting
+        data_ex = None if it is None else ThreadPoolExecutor(
+            1, thread_name_prefix="snake-data", initializer=helper_thread_init(e.device))
+        fetch: asyncio.Future[Any] | None = None
 
         async def next_batch() -> Any:
-            return await run_blocking(data_ex, next, it, _END) if it is not None else await anext(ait, _END)
+            nonlocal fetch
+            if data_ex is None:
+                return await anext(ait, _END)
+            fetch = asyncio.get_running_loop().run_in_executor(data_ex, _next, it)
+            fetch.add_done_callback(_retrieved)  # its error, where no one awaits it any more
+            return await asyncio.shield(fetch)
 
         arena = _Arena(e)
         try:
@@ -110,11 +120,23 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
                                                                   batches_per_pass)
         finally:
             arena.close()
+            if data_ex is not None:  # joined unless the user's next() still runs there
+                data_ex.shutdown(wait=fetch is None or fetch.done(), cancel_futures=True)
         if not batches:
             raise DataError("evaluate: data gave no batch; give at least one (inputs, targets) batch")
         return EvalReport(loss_sum / tokens, tokens, batches, time.perf_counter() - t0, passes)
     finally:
         trainer._end()
+
+
+def _next(it: Iterator[Any] | None) -> Any:
+    assert it is not None
+    return next(it, _END)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _passes(trainer: SnakeTrainer, e: Engine, arena: _Arena, next_batch: Callable[[], Awaitable[Any]],

@@ -94,6 +94,7 @@ class SnakeTrainer:
         self._lock: DirLock | None = None
         self._data_ex: ThreadPoolExecutor | None = None
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # the one close() all callers wait for
         self._broken: str | None = None
         # the frozen parameters' digests, taken at the first save or load (snake.checkpoint)
         self._frozen_digests: dict[str, str] | None = None
@@ -299,15 +300,21 @@ class SnakeTrainer:
     async def close(self) -> None:
         """Stop threads, close files, release the offload_dir lock. Idempotent. A run(),
         save(), load(), evaluate() or state_dict() in progress is cancelled (its task) and
-        waited for first."""
-        if self._closed:
-            return
-        self._closed = True
+        waited for first. Every call returns once the trainer is closed (two at once, a
+        service's shutdown and an `async with` exit, both wait for it); a call cancelled
+        while it waits leaves the closing to go on to its end."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._close(asyncio.current_task()))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, caller: asyncio.Task[Any] | None) -> None:
         task = self._task
-        if task is not None and task is not asyncio.current_task() and not task.done():
+        if task is not None and task is not caller and not task.done():
             task.cancel()
             await asyncio.wait([task])
         await self._shutdown()
+        self.source.release()
 
     # -- internals --------------------------------------------------------------------
     def _check_idle(self, what: str) -> None:
