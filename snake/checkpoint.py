@@ -750,7 +750,8 @@ def _model_layer(parts: ModelParts) -> Callable[[int], torch.Tensor]:
     def read(layer: int) -> torch.Tensor:
         params = layer_values(parts, layer, flat_named(parts.blocks[layer]))
         out = torch.zeros(3, sum(p.numel() for p in params), dtype=torch.float32)
-        torch.cat([p.reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
+        if params:  # a layer that trains nothing (frozen, or its adapters held in fp32) has no state
+            torch.cat([p.reshape(-1).to("cpu", torch.float32) for p in params], out=out[0])
         return out
 
     return read

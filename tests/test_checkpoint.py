@@ -941,3 +941,34 @@ async def test_a_version_1_checkpoint_loads_and_an_unknown_version_is_refused(tm
                 await t.load(where)
 
     await asyncio.wait_for(body(), TIMEOUT)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("frozen", [True, False])
+async def test_a_checkpoint_saved_before_the_first_run_of_a_model_with_a_frozen_layer_resumes(tmp_path, frozen):
+    """save() before any run() reads the state from the model; a layer that trains nothing
+    (frozen, or a bf16 model's fp32 adapters, held with the embedding) has no state of its
+    own, and the save failed in torch.cat (an audit, round 38). The checkpoint (with its
+    frozen weights stored or not) resumes to the weights of a run never saved."""
+    from tests.helpers import assert_close_state
+
+    def model():
+        m = tiny_gpt(n_layer=3, bias=False)
+        m.blocks[0].requires_grad_(False)
+        return m
+
+    data = batches(3, 4)
+
+    def cfg(d):
+        return SnakeConfig(device="cpu", offload_dir=d, micro_batches=2, alpha=0.0, placement=Placement.all_cpu())
+
+    async with SnakeTrainer(model(), data=data, config=cfg(tmp_path / "a")) as t:
+        await t.save(tmp_path / "ckpt", frozen=frozen)
+    async with SnakeTrainer(model(), data=data, config=cfg(tmp_path / "b")) as t:
+        await t.load(tmp_path / "ckpt")
+        await t.run(3)
+        got = await t.state_dict()
+    async with SnakeTrainer(model(), data=data, config=cfg(tmp_path / "c")) as t:
+        await t.run(3)
+        want = await t.state_dict()
+    assert_close_state(got, want, rtol=0, atol=0)
