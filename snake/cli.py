@@ -100,8 +100,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", type=_placement, default="0.5,0.5,0.5",
                    help="CPU shares param,ckpt,opt[,grad] (rest on SSD; grad: the delayed gradients, default 1)")
     p.add_argument("--alpha", type=float, default=None,
-                   help="delayed share of each optimizer step (default 0.25; 1.0 with --max-grad-norm or a "
-                        "dynamic --loss-scale)")
+                   help="delayed share of each optimizer step (default 0.25; 1.0 with a finite --max-grad-norm "
+                        "or a dynamic --loss-scale)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-schedule", default="constant", choices=list(LR_SCHEDULES),
                    help="the rate after --warmup-steps: constant, or decaying to 0 at --decay-steps")
@@ -446,11 +446,14 @@ async def _train_run(
                     await trainer.save(args.checkpoint)
         finally:
             bar.close()
+        trained = trainer.trace.now()
         if held:
             val["after"] = (await trainer.evaluate(held)).loss
         trainer.trace.save(out / "trace.json")
         spans = list(trainer.trace.spans)
-        plot_timeline(spans, out / "timeline.png", window_s=_window(steps), dropped=trainer.trace.recorded - len(spans))
+        # the timeline's window: the last steps, not the evaluation after them
+        plot_timeline([s for s in spans if s.start_s < trained], out / "timeline.png", window_s=_window(steps),
+                      dropped=trainer.trace.recorded - len(spans))
         report_json = {
             "model": asdict(mcfg),
             "config": _config_dict(config),

@@ -180,18 +180,20 @@ class SnakeConfig:
 
     micro_batches: M, micro-batches per iteration; a global batch is split along dim 0.
     offload_dir: directory of the SSD tier (created with mode 0700).
-    placement: CPU share of param / ckpt / opt; None: the planner chooses.
+    placement: CPU share of param / ckpt / opt / grad (the delayed gradients); the default
+        keeps everything in CPU memory; None: the planner chooses.
     alpha: fraction of each layer's optimizer step delayed into the next forward, in [0, 1];
         None: the planner chooses. Clipping (optimizer.max_grad_norm) and a dynamic loss scale
         need 1.
     dtype: compute dtype; master weights and gradient accumulation are fp32.
     device: "cpu", "cuda", "cuda:N"; None: CUDA if present, else CPU.
     schedule: "vertical" (layer-major, snake order) or "horizontal" (ZeRO-Infinity order).
-    cpu_memory_bytes / device_memory_bytes: memory budgets for the planner; None: what the
-        machine has. cpu_memory_bytes bounds the process's growth while training: placed
-        data, a CPU device's working set and the runtime's overhead (`snake.memory`). Only
-        the planner reads them, when any of micro_batches / placement / alpha is None; a
-        fixed plan (all three given) is not checked against them.
+    cpu_memory_bytes / device_memory_bytes: memory budgets; None: what the machine has.
+        cpu_memory_bytes bounds the process's growth while training: placed data, a CPU
+        device's working set and the runtime's overhead (`snake.memory`). The planner plans
+        within them (when any of micro_batches / placement / alpha is None); a plan you fix
+        is checked against them before anything is allocated (ConfigError naming what
+        to change).
     ssd_bandwidth_bytes_per_s: cap on SSD reads+writes (token bucket), for experiments; at
         least 1 MB/s; None: no cap.
     device_link_bytes_per_s: cap on host<->device transfers, each direction its own token
@@ -212,7 +214,8 @@ class SnakeConfig:
         ActorFailed naming the stalled actor (None: wait forever).
     resident_optimizer: where the fp32 master weights and Adam m and v of the resident
         parameters (embeddings, final norm, head: those not in the streamed layers) live.
-        "cpu": in CPU memory, 16 bytes per parameter with the gradients' host copy. "ssd":
+        "cpu": in CPU memory, 12 bytes per parameter (fp32 master, m, v) and a chunk of
+        gradient staging. "ssd":
         in a file in offload_dir, read, stepped and written back in chunks at each
         iteration's end (24 bytes of SSD traffic per parameter and iteration, on the
         compute actor's time; host memory: two chunk buffers, `snake.memory`). None: the
@@ -229,7 +232,6 @@ class SnakeConfig:
     device: str | None = None
     schedule: Schedule = "vertical"
     seed: int = 0
-    # planner budgets only: not enforced when micro_batches, placement and alpha are all given
     cpu_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
     ssd_bandwidth_bytes_per_s: float | None = None
@@ -336,7 +338,8 @@ class SnakeConfig:
 
 
 def tiny_cpu(offload_dir: str | Path) -> SnakeConfig:
-    """A preset for a quick CPU run: 2 micro-batches, half of everything on SSD."""
+    """A preset for a quick CPU run: 2 micro-batches, half of the parameters, checkpoints
+    and optimizer states on SSD (the delayed gradients in CPU memory), alpha 0.25."""
     return SnakeConfig(
         micro_batches=2,
         offload_dir=offload_dir,

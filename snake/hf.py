@@ -1383,7 +1383,7 @@ def init_adapters(model: nn.Module) -> int:
     in their files on the meta device, so the adapters are left there too, uninitialised.
     Here each layer's adapters are made again by PEFT (`inject_adapter_in_model`, the
     model's PEFT configs) on a copy of the layer whose weights are read from the files
-    where the initialisation reads them (DoRA's magnitude, PiSSA), else left unread; they
+    where the initialisation reads them (DoRA's magnitude), else left unread; they
     are put into the model's layer in the dtype PEFT gave them, and the layer's weights stay
     in their files. Layer by layer in order, the adapters draw from torch's random
     generator as `get_peft_model` draws for a model in memory: seeded alike just before,

@@ -2,7 +2,8 @@
 `lr * f(i)`, as `torch.optim.lr_scheduler.LambdaLR(optimizer, f)` stepped once after each
 `optimizer.step()` does. A schedule is any callable from the step index to a factor; the
 three here are those of transformers (`get_constant_schedule_with_warmup`,
-`get_linear_schedule_with_warmup`, `get_cosine_schedule_with_warmup` with its `min_lr_rate`),
+`get_linear_schedule_with_warmup`, `get_cosine_with_min_lr_schedule_with_warmup` with its
+`min_lr_rate`; `get_cosine_schedule_with_warmup` where it is 0),
 to the bit within `total_steps` (tests/test_lr_schedule.py), and stay at their last
 factor after it, where transformers' cosine would rise again.
 
@@ -87,8 +88,8 @@ class WarmupLinear(_Decay):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WarmupCosine(_Decay):
     """0 -> 1 linearly over `warmup_steps`, then half a cosine down to `min_ratio` at
-    `total_steps`, and `min_ratio` after: transformers' `get_cosine_schedule_with_warmup`
-    (`min_lr_rate=min_ratio`)."""
+    `total_steps`, and `min_ratio` after: transformers'
+    `get_cosine_with_min_lr_schedule_with_warmup` (`min_lr_rate=min_ratio`)."""
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

@@ -47,15 +47,29 @@ def test_bad_trace_file(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
-def test_train_reports_the_held_out_loss_before_and_after(tmp_path, capsys):
+def test_train_reports_the_held_out_loss_before_and_after(tmp_path, capsys, monkeypatch):
     """--eval-batches (8 by default): the validation loss on windows of the held-out text,
-    which the training windows never come from, before and after training."""
+    which the training windows never come from, before and after training. The timeline's
+    window is the last steps, without that evaluation after them."""
+    import snake.timeline
     from snake.cli import HOLDOUT
     from snake.corpus import holdout_windows, pydoc_bytes
 
+    plotted = {}
+    real_plot = snake.timeline.plot_timeline
+
+    def plot(spans, path, *, window_s=None, **kw):
+        plotted.update(spans=spans, window_s=window_s)
+        real_plot(spans, path, window_s=window_s, **kw)
+
+    monkeypatch.setattr(snake.timeline, "plot_timeline", plot)
     out = tmp_path / "out"
     assert main(["train", "--steps", "25", "--out", str(out), "--offload-dir", str(tmp_path / "off"),
                  "--eval-batches", "3", *SMALL]) == 0
+    end = max(s.end_s for s in plotted["spans"])
+    shown = {s.name.split()[0] for s in plotted["spans"] if s.end_s >= end - plotted["window_s"]}
+    assert "fwd" in shown and "eval" not in shown
+    assert any(s.name.startswith("eval ") for s in plotted["spans"])  # the evaluation before training
     val = json.loads((out / "report.json").read_text())["val_loss"]
     assert val["after"] < val["before"] - 0.5
     assert f"held-out loss {val['before']:.4f} -> {val['after']:.4f}" in capsys.readouterr().out
