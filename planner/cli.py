@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -52,14 +53,17 @@ def parse_size(text: str) -> float:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8GiB, 500MB or 1024")
-    return float(m.group(1)) * _UNITS[unit]
+    size = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise argparse.ArgumentTypeError(f"{text!r} is too large a size")
+    return size
 
 
 def _positive_size(text: str) -> float:
     """`parse_size`, and more than 0 bytes: a budget or a bandwidth."""
     size = parse_size(text)
-    if not size > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    if not size >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
     return size
 
 
@@ -72,6 +76,15 @@ def _alpha(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} must be in [0, 1] (1 for clipping or float16's dynamic scale)")
     return value
+
+
+def _bool(key: str, value: str) -> bool:
+    """A model field's boolean: 1/true/yes or 0/false/no."""
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"model field {key}={value!r} must be true or false (1/0, yes/no)")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -114,6 +127,18 @@ class HFModel:
         lora = f", LoRA r={self.lora}" if self.lora else ""
         return f"{self.config.model_type} {self.n_layer} x {self.config.hidden_size}{lora}"
 
+    def _built(self, load_hf: Any, config: Any) -> Any:
+        """`load_hf(config)`, where transformers' refusal of the config (heads that do not
+        divide the width, an empty vocabulary) is a ModelError naming the directory."""
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and vocab < 1:
+            raise ModelError(f"model 'hf:{self.path}': its config.json has vocab_size={vocab}; it must be >= 1")
+        try:
+            return load_hf(config)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+            raise ModelError(f"model 'hf:{self.path}': transformers cannot build the model of its config.json "
+                             f"({type(e).__name__}: {e})") from e
+
     def _adapted(self, model: Any) -> Any:
         """The model with the LoRA adapters --lora asks for in it, as PEFT's `get_peft_model`
         puts them (its base model, which snake trains), or the model itself."""
@@ -152,7 +177,7 @@ class HFModel:
         for name, value in vars(cfg).items():
             if isinstance(value, list) and len(value) == self.n_layer and "layer" in name:
                 setattr(cfg, name, value[:keep])
-        parts = describe(self._adapted(load_hf(cfg)))
+        parts = describe(self._adapted(self._built(load_hf, cfg)))
         cut, _ = layer_kinds(parts.blocks)
         if cut != kinds[:keep] or any(
                 param_signature(a) != param_signature(b) for a, b in zip(parts.blocks, whole.blocks[:keep], strict=True)
@@ -185,7 +210,7 @@ class HFModel:
         from snake.hf import describe_hf, load_hf
 
         with torch.device("meta"):
-            model = self._adapted(load_hf(self.config))
+            model = self._adapted(self._built(load_hf, self.config))
         parts = describe_hf(model)
         if parts is None:
             from snake.hf import supported
@@ -220,8 +245,9 @@ def _parse_hf(path: str) -> HFModel:
         ) from e
     try:
         config = AutoConfig.from_pretrained(str(d), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise argparse.ArgumentTypeError(f"model 'hf:{path}': transformers cannot read its config: {e}") from e
+    except Exception as e:  # noqa: BLE001 - its validators raise their own kinds (huggingface_hub's, say)
+        raise argparse.ArgumentTypeError(f"model 'hf:{path}': transformers cannot read its config: "
+                                         f"{' '.join(str(e).split())}") from e
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
         raise argparse.ArgumentTypeError(f"model 'hf:{path}': its config has no num_hidden_layers")
     return HFModel(str(d), config)
@@ -244,9 +270,11 @@ def parse_model(text: str) -> GPTConfig | HFModel:
         key, _, value = item.partition("=")
         if key not in fields:
             raise argparse.ArgumentTypeError(f"model field {key!r} is not one of {fields}")
+        if key in kw:
+            raise argparse.ArgumentTypeError(f"model field {key!r} is given twice")
         conv: Any = type(getattr(defaults, key))
         try:
-            kw[key] = value.lower() in ("1", "true", "yes") if conv is bool else conv(value)
+            kw[key] = _bool(key, value) if conv is bool else conv(value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"model field {key}={value!r}: {e}") from e
         if conv is int and kw[key] < 1:

@@ -113,8 +113,17 @@ R = TypeVar("R")
 _rename = os.rename  # the one call that publishes a checkpoint (tests fake it)
 
 
-def _resolve(directory: str | os.PathLike[str]) -> Path:
+def _resolve(directory: str | os.PathLike[str], what: str = "directory") -> Path:
+    if not isinstance(directory, str | os.PathLike):
+        raise ConfigError(what, directory, "must be a path (a str or an os.PathLike such as pathlib.Path)")
     return Path(os.path.abspath(Path(directory).expanduser()))
+
+
+def holds(outer: str | os.PathLike[str], inner: str | os.PathLike[str]) -> bool:
+    """Whether `outer` is `inner` or one of its ancestors (their real paths: links
+    followed)."""
+    o, i = Path(os.path.realpath(outer)), Path(os.path.realpath(inner))
+    return o == i or o in i.parents
 
 
 def layer_file(layer: int) -> str:
@@ -129,11 +138,16 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
     `frozen`: store the frozen parameters (default: unless the model is a PEFT model)."""
     trainer._check_usable()
     trainer._check_idle("save")
-    if frozen not in (None, True, False):
+    if frozen is not None and not isinstance(frozen, bool):
         raise ConfigError("save(frozen=...)", frozen, "must be True, False or None (the default: stored unless the "
                           "model is a PEFT model)")
-    store = not has_peft_layers(trainer.parts.model) if frozen is None else bool(frozen)
+    store = not has_peft_layers(trainer.parts.model) if frozen is None else frozen
     target = _resolve(directory)
+    if holds(target, trainer.offload_dir):  # the checkpoint's rename would take the live tier away
+        raise SnakeError(
+            f"save: {target} is or holds the trainer's offload_dir {trainer.offload_dir}, whose SSD tier files are "
+            "the training's live state: pick a checkpoint path outside it (one inside it is fine)"
+        )
     _check_save_target(target)  # before the delayed steps are flushed: a bad path changes nothing
     _check_save_space(trainer, target, store)
     trainer._begin()
@@ -179,12 +193,21 @@ async def load_checkpoint(
             "(this one has already run or loaded one); make a new SnakeTrainer and call "
             "load() before run()"
         )
+    if not isinstance(skip_data, bool):
+        raise ConfigError("load(skip_data=...)", skip_data, "must be True or False")
     target = _resolve(directory)
     trainer._begin()
     try:
         manifest = await _blocking(None, functools.partial(read_manifest, target))
         await _blocking(None, lambda: check_compatible(manifest, trainer.config, trainer.parts,
                                                         trainer_digests(trainer)))
+        consumed, left = int(manifest["consumed_batches"]), trainer.source.left()
+        if skip_data and left is not None and left < consumed:  # a list or tuple: known before it is read
+            raise DataError(
+                f"load: the checkpoint has consumed {consumed} global batches but data holds {left}; pass the "
+                "data the checkpoint was trained on (from its start), or load(..., skip_data=False) with data "
+                "that starts after them"
+            )
         trainer.config = fill_config(trainer.config, manifest)
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:

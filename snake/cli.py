@@ -191,6 +191,12 @@ def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
     if args.eval_batches and args.seq > held:
         raise ConfigError("--seq", args.seq, f"is longer than the held-out text allows for validation ({held} bytes)",
                           "use a shorter sequence, or --eval-batches 0")
+    most = max(1, (held - args.seq + 1) // args.batch)  # batches of windows that each start elsewhere
+    if args.eval_batches > most:
+        raise ConfigError("--eval-batches", args.eval_batches,
+                          f"is more than the held-out text ({held} bytes) holds in batches of --batch {args.batch} "
+                          f"windows of --seq {args.seq} that each start at another byte ({most})",
+                          f"use --eval-batches {most} or fewer")
     try:
         return GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
     except ValueError as e:  # GPTConfig's own checks
@@ -253,10 +259,11 @@ def _check_resume_dir(text: str) -> None:
                           "pass a directory that --checkpoint wrote")
 
 
-def _check_checkpoint_dir(text: str) -> None:
+def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
     """Refuse now a --checkpoint path that `trainer.save` would refuse after training (it only
-    replaces a snake checkpoint or an empty directory), or could not write. Leaves nothing behind."""
-    from snake.checkpoint import MANIFEST
+    replaces a snake checkpoint or an empty directory, outside the offload directory), or
+    could not write, or that is the --out directory or holds it. Leaves nothing behind."""
+    from snake.checkpoint import MANIFEST, holds
 
     path = Path(text).expanduser()
     fix = "pick a new or empty directory, or an earlier snake checkpoint to replace"
@@ -264,6 +271,10 @@ def _check_checkpoint_dir(text: str) -> None:
         path.exists()
     except OSError as e:  # a name past the file system's limit (ENAMETOOLONG), say
         raise ConfigError("--checkpoint", text, f"cannot be used ({e.strerror})", fix) from None
+    for flag, other in (("--offload-dir", offload_dir), ("--out", out)):
+        if holds(path, Path(other).expanduser()):
+            raise ConfigError("--checkpoint", text, f"is or holds the {flag} directory {other!r}, which the run "
+                              "writes into itself", "pick a checkpoint path outside it (one inside it is fine)")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ConfigError("--checkpoint", text, "exists and is not a directory", fix)
     if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
@@ -276,9 +287,15 @@ def _check_checkpoint_dir(text: str) -> None:
 def _check_export_dir(text: str) -> None:
     """Refuse now an --hf path that export could not write into. Leaves nothing behind."""
     path = Path(text).expanduser()
-    fix = "pass a new or existing directory you can write to"
+    fix = "pass a new or empty directory you can write to, or a Hugging Face model directory to replace"
+    if not text.strip():
+        raise ConfigError("--hf", text, "is empty", fix)
     if path.exists() and not path.is_dir():
         raise ConfigError("--hf", text, "exists and is not a directory", fix)
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
+        # save_pretrained writes config.json and model*.safetensors over what is there
+        raise ConfigError("--hf", text, "is a directory with files but no config.json (not a Hugging Face model "
+                          "directory), which the export would write its files into", fix)
     _check_can_create("--hf", text, path.absolute(), fix, probe_prefix=".snake-export-probe-")
 
 
@@ -656,7 +673,7 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
         config = _snake_config(args, offload_dir)
         # the run writes these at its end: refuse a bad path now, not after training
         if args.checkpoint:
-            _check_checkpoint_dir(args.checkpoint)
+            _check_checkpoint_dir(args.checkpoint, str(offload_dir), args.out)
         if args.resume:
             _check_resume_dir(args.resume)
         _output_dir("--out", args.out)

@@ -23,6 +23,7 @@ Schedule = Literal["vertical", "horizontal"]
 
 
 MAX_IO_THREADS = 64
+_FLOAT32_TINY = 2.0**-126  # float32's smallest normal number (torch.finfo(torch.float32).tiny)
 MIN_SSD_BANDWIDTH = 1_000_000  # bytes/s: a cap below 1 MB/s makes setup's first writes take hours
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range for a non-negative seed
 
@@ -265,8 +266,8 @@ class SnakeConfig:
             if self.dtype != "float16":
                 raise ConfigError("loss_scale", "DynamicLossScale(...)", f"is for float16 only, not dtype={self.dtype!r}",
                                   "float32 and bfloat16 need no loss scale: leave loss_scale out")
-        elif not (_finite(ls) and ls > 0):
-            raise ConfigError("loss_scale", ls, "must be a finite number > 0 or a snake.DynamicLossScale",
+        elif not (_finite(ls) and ls >= _FLOAT32_TINY):  # below, float32 cannot hold it
+            raise ConfigError("loss_scale", ls, f"must be a finite number >= {_FLOAT32_TINY:.3g} or a snake.DynamicLossScale",
                               "float16's static loss scale, e.g. 1024, or DynamicLossScale() as torch.amp.GradScaler")
         if self.steps_wait and a is not None and a != 1.0:
             what = (f"optimizer.max_grad_norm={self.optimizer.max_grad_norm}" if self.optimizer.clips

@@ -4,7 +4,7 @@ A global batch is split into `micro_batches` along dim 0."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,7 @@ class DataSource:
     generator would end it for good)."""
 
     def __init__(self, data: Any) -> None:
+        check_container(data, "data")
         if hasattr(data, "__aiter__"):
             self._aiter: AsyncIterator[Any] | None = data.__aiter__()
             self._iter: Iterator[Any] | None = None
@@ -111,6 +112,16 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def check_container(data: Any, what: str) -> None:
+    """DataError for an iterable that is one batch or a text rather than batches (a dict
+    iterates its keys, a tensor its rows, a str its characters), said of `data` itself."""
+    if isinstance(data, Mapping | torch.Tensor | str | bytes | bytearray):
+        raise DataError(
+            f"{what}: expected an iterable or async iterable of (inputs, targets) batches, got a "
+            f"{type(data).__name__}; for one batch pass [(inputs, targets)]"
+        )
+
+
 IGNORE_INDEX = -100  # a target that is not trained on (Hugging Face's and F.cross_entropy's convention)
 
 
@@ -141,6 +152,10 @@ def split_batch(
     for name, x in (("inputs", inputs), ("targets", targets)):
         if not isinstance(x, torch.Tensor):
             raise DataError(f"data: batch {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided or x.is_nested:
+            got = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
+            raise DataError(f"data: batch {name} must be a dense (strided) tensor, got {got}; convert it with "
+                            + ("torch.nested.to_padded_tensor" if x.is_nested else ".to_dense()"))
         if x.device.type not in ("cpu", device.type):
             raise DataError(
                 f"data: batch {name} are on {x.device}; give CPU tensors (or tensors on the training device {device})"

@@ -30,7 +30,7 @@ import torch
 
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
-from snake.data import split_batch
+from snake.data import Vocab, check_container, split_batch
 from snake.device import helper_thread_init, synchronize
 from snake.errors import ConfigError, DataError
 from snake.io.base import align_up
@@ -77,6 +77,7 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
                                     or max_batches < 1):
         raise ConfigError("max_batches", max_batches, "must be a positive int or None (every batch of data)")
     _check_per_pass(batches_per_pass)
+    check_container(data, "evaluate: data")
     if hasattr(data, "__aiter__"):  # as run() takes them
         ait = aiter(data)
         it = None
@@ -92,27 +93,38 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
     trainer._check_idle("evaluate")
     t0 = time.perf_counter()
     trainer._begin()
+    # a sync iterator's next() on a thread of its own: a cancellation (a timeout, close())
+    # does not wait for it, as run() does not (the user's code may block for long); the
+    # thread ends when it returns, and training's data thread is not kept waiting
+    data_ex = None if it is None else ThreadPoolExecutor(
+        1, thread_name_prefix="snake-data", initializer=helper_thread_init(trainer.device))
+    fetch: asyncio.Future[Any] | None = None
+    first: list[Any] = []  # the first batch, taken before the engine is set up
+
+    async def next_batch() -> Any:
+        nonlocal fetch
+        if first:
+            return first.pop()
+        if data_ex is None:
+            return await anext(ait, _END)
+        fetch = asyncio.get_running_loop().run_in_executor(data_ex, _next, it)
+        fetch.add_done_callback(_retrieved)  # its error, where no one awaits it any more
+        return await asyncio.shield(fetch)
+
     try:
+        # the first batch checked before anything is set up (the engine, its files and
+        # threads, before a first run): no batch, or one that is not a pair of token-id
+        # tensors, is a DataError that leaves the trainer as it was
+        item = await next_batch()
+        if item is _END:
+            raise DataError("evaluate: data gave no batch; give at least one (inputs, targets) batch")
+        split_batch(item, micro_batches=1, device=trainer.device, expect_shape=None, vocab=Vocab())
+        first.append(item)
         if trainer.engine is None:
             await trainer._setup()
         e = trainer.engine
         assert e is not None
         await trainer._flush("evaluate")
-        # a sync iterator's next() on a thread of its own: a cancellation (a timeout, close())
-        # does not wait for it, as run() does not (the user's code may block for long); the
-        # thread ends when it returns, and training's data thread is not kept waiting
-        data_ex = None if it is None else ThreadPoolExecutor(
-            1, thread_name_prefix="snake-data", initializer=helper_thread_init(e.device))
-        fetch: asyncio.Future[Any] | None = None
-
-        async def next_batch() -> Any:
-            nonlocal fetch
-            if data_ex is None:
-                return await anext(ait, _END)
-            fetch = asyncio.get_running_loop().run_in_executor(data_ex, _next, it)
-            fetch.add_done_callback(_retrieved)  # its error, where no one awaits it any more
-            return await asyncio.shield(fetch)
-
         arena = _Arena(e)
         try:
             with e.kernels.eval_mode():
@@ -120,12 +132,10 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
                                                                   batches_per_pass)
         finally:
             arena.close()
-            if data_ex is not None:  # joined unless the user's next() still runs there
-                data_ex.shutdown(wait=fetch is None or fetch.done(), cancel_futures=True)
-        if not batches:
-            raise DataError("evaluate: data gave no batch; give at least one (inputs, targets) batch")
         return EvalReport(loss_sum / tokens, tokens, batches, time.perf_counter() - t0, passes)
     finally:
+        if data_ex is not None:  # joined unless the user's next() still runs there
+            data_ex.shutdown(wait=fetch is None or fetch.done(), cancel_futures=True)
         trainer._end()
 
 

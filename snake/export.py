@@ -69,9 +69,7 @@ def gpt_to_gpt2(config: dict[str, Any], masters: dict[str, torch.Tensor]) -> tup
 
 def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Blocking: write `checkpoint`'s weights as a `from_pretrained` directory in `out`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
-
-    from snake.hf import causal_lm_class, export_hf
+    from snake.hf import export_hf
 
     manifest, masters = read_masters(checkpoint)
     config = manifest.get("model_config")
@@ -95,10 +93,39 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
             "model its config builds needs; export in the process that trained it with "
             "snake.hf.export_hf(await trainer.state_dict(), model, out), or save with frozen=True"
         )
+    try:
+        sd, model = _model_and_state(checkpoint, kind, config, masters)
+    except SnakeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' and torch's own kinds, of a config it refuses
+        raise SnakeError(
+            f"export: {checkpoint}'s recorded model config does not build its model ({type(e).__name__}: "
+            f"{' '.join(str(e).split())}); was its manifest.json edited? Export in the process that trained it "
+            "with snake.hf.export_hf(await trainer.state_dict(), model, out)"
+        ) from e
+    ours = model.state_dict()
+    for key, value in sd.items():
+        if key in ours and tuple(value.shape) != tuple(ours[key].shape):
+            raise SnakeError(
+                f"export: {checkpoint} holds {key} of shape {tuple(value.shape)} but its recorded model config "
+                f"builds it as {tuple(ours[key].shape)}; was its manifest.json edited? Export in the process that "
+                "trained it with snake.hf.export_hf(await trainer.state_dict(), model, out)"
+            )
+    return export_hf(sd, model, out)
+
+
+def _model_and_state(checkpoint: str | Path, kind: str, config: dict[str, Any],
+                     masters: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    """The model a checkpoint's recorded config builds, fresh, and the state to export into
+    it: the checkpoint's masters by the model's names (its buffers, where the checkpoint
+    holds none, the config's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
+
+    from snake.hf import causal_lm_class
+
     if kind == "snake.gpt":
         hf_config, sd = gpt_to_gpt2(config, masters)
-        model = GPT2LMHeadModel(hf_config)
-        return export_hf(sd, model, out)
+        return sd, GPT2LMHeadModel(hf_config)
     model_type = config.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **config)
     cls = causal_lm_class(hf_config)
@@ -129,4 +156,4 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
         log.warning("export: %s holds no buffers (saved before they were stored): %d buffers (%s) take the "
                     "config's initial values, which may not be the trained model's; save it again, or export "
                     "in-process with snake.hf.export_hf", checkpoint, len(fresh), ", ".join(fresh[:3]))
-    return export_hf(sd, model, out)
+    return sd, model

@@ -160,6 +160,8 @@ class SnakeTrainer:
         `trained_only` only those of the trained parameters (requires_grad: a LoRA
         fine-tune's adapters, which `model.load_state_dict(..., strict=False)` takes), so
         that the frozen weights are neither copied nor, for a model from `stream_hf`, read."""
+        if not isinstance(trained_only, bool):
+            raise ConfigError("state_dict(trained_only=...)", trained_only, "must be True or False")
         self._check_usable()
         self._check_idle("state_dict")
         # a cancelled state_dict stops at its next layer or tensor: it only reads, so the
@@ -577,6 +579,15 @@ def _check_on_step(on_step: object) -> None:
             "on_step", on_step, "is a coroutine function, which the trainer would call without awaiting",
             "pass a plain function; to do async work, start it there with asyncio.create_task",
         )
+    try:
+        signature = inspect.signature(on_step)
+    except (TypeError, ValueError):  # a builtin without one: called as it is
+        return
+    try:
+        signature.bind(None)
+    except TypeError as e:  # else the first step's report would fail the run, closing the trainer
+        raise ConfigError("on_step", on_step, f"cannot be called with one StepReport ({e})",
+                          "pass a function of one argument, e.g. lambda report: print(report.loss)") from None
 
 
 def _trained_keys(model: nn.Module) -> set[str]:
