@@ -616,10 +616,22 @@ def fill_config(config: SnakeConfig, manifest: dict[str, Any]) -> SnakeConfig:
         if getattr(config, name) is None and saved.get(name) is not None:
             changes[name] = saved[name]
     if config.placement is None and config.cpu_memory_bytes is None and saved.get("placement") is not None:
-        changes["placement"] = Placement(**saved["placement"])
+        if not isinstance(saved["placement"], dict):
+            raise SnakeError(f"load: the checkpoint's manifest records placement={saved['placement']!r}, not a "
+                             "mapping of shares: it is damaged; give placement in the trainer's config")
+        try:
+            changes["placement"] = Placement(**saved["placement"])
+        except (ConfigError, TypeError) as e:
+            raise SnakeError(f"load: the checkpoint's manifest records a placement the config refuses ({e}): it is "
+                             "damaged; give placement in the trainer's config") from None
     if config.resident_optimizer is None and config.cpu_memory_bytes is None and saved.get("resident_optimizer"):
         changes["resident_optimizer"] = saved["resident_optimizer"]
-    return dataclasses.replace(config, **changes) if changes else config
+    try:
+        return dataclasses.replace(config, **changes) if changes else config
+    except (ConfigError, TypeError) as e:  # SnakeConfig's checks, of what the manifest says
+        raise SnakeError(f"load: the checkpoint's manifest records a value the config refuses ({e}): it is "
+                         "damaged; give micro_batches, alpha, placement and resident_optimizer in the trainer's "
+                         "config") from None
 
 
 # -- RNG --------------------------------------------------------------------------------

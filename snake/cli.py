@@ -208,6 +208,9 @@ def _lr_schedule(args: argparse.Namespace) -> Any:
     constant rate). The decay ends at --decay-steps, or at this run's last step (counting
     a --resume checkpoint's steps)."""
     if args.lr_schedule == "constant":
+        if args.decay_steps is not None:
+            raise ConfigError("--decay-steps", args.decay_steps, "is where a decay ends, and --lr-schedule constant "
+                              "has none", "add --lr-schedule linear or cosine, or leave --decay-steps out")
         return WarmupConstant(warmup_steps=args.warmup_steps) if args.warmup_steps else None
     total = args.decay_steps
     if total is None:

@@ -224,3 +224,30 @@ def test_plan_of_an_hf_config_transformers_refuses_is_one_line(tmp_path, capsys,
     assert last.startswith(("snake plan: model 'hf:", "snake plan: error: argument --model: model 'hf:")) and says in last
     assert not (tmp_path / "off").exists()
 
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("edit,says", [
+    ({"placement": [1, 1, 1]}, "records placement=[1, 1, 1], not a mapping of shares"),
+    ({"placement": {"param": 2.0}}, "records a placement the config refuses"),
+    ({"micro_batches": "2"}, "records a value the config refuses"),
+])
+async def test_a_damaged_manifest_the_planner_would_fill_the_config_from_is_named(tmp_path, edit, says):
+    """A trainer leaving micro_batches, alpha and placement to the checkpoint (None) took a
+    damaged manifest's values raw: a bare TypeError, or an error worded as the trainer's own."""
+    async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(4, 4), config=config(tmp_path / "a")) as t:
+        await t.run(1)
+        await t.save(tmp_path / "ck")
+    path = tmp_path / "ck" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["config"].update(edit)
+    path.write_text(json.dumps(manifest))
+    import dataclasses
+
+    cfg = dataclasses.replace(config(tmp_path / "b"), micro_batches=None, alpha=None, placement=None)
+    t = SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(4, 4), config=cfg)
+    with pytest.raises(SnakeError, match="load: the checkpoint's manifest") as caught:
+        await t.load(tmp_path / "ck")
+    assert says in str(caught.value) and "damaged" in str(caught.value)
+    assert t.engine is None and t._broken is None
+    await t.close()

@@ -54,6 +54,8 @@ def _train(tmp_path, capsys, *extra: str) -> tuple[int, str]:
         (["--loss-scale", "big", "--dtype", "float16"], "argument --loss-scale: 'big' is neither 'dynamic' nor a number"),
         (["--dtype", "float16", "--alpha", "0.5"], "snake train: alpha=0.5 must be 1.0 (or None) with a dynamic loss_scale"),
         (["--decay-steps", "0"], "argument --decay-steps: 0 must be an integer >= 1"),
+        # the constant schedule has no decay to end (it was ignored)
+        (["--decay-steps", "5"], "snake train: --decay-steps=5 is where a decay ends, and --lr-schedule constant has none"),
         (["--lr-schedule", "cosine", "--warmup-steps", "2"], "snake train: --warmup-steps=2 must be <= the decay's 1 steps"),
         (["--lr-schedule", "linear", "--warmup-steps", "3", "--decay-steps", "2"], "snake train: --warmup-steps=3 must be <= the decay's 2 steps"),
     ],
