@@ -151,12 +151,20 @@ class HFModel:
         targets = self.lora_targets
         config = peft.LoraConfig(r=self.lora, target_modules="all-linear" if targets == ("all-linear",) else list(targets))
         try:
-            with warnings.catch_warnings():  # PEFT reads a flag transformers 5 renamed
+            with warnings.catch_warnings():
+                # PEFT reads a flag transformers 5 renamed; and says its own defaults' patterns
+                # for other models' modules matched none here
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-                return peft.get_peft_model(model, config).get_base_model()
+                warnings.filterwarnings("ignore", ".*did not match any targeted module", RuntimeWarning)
+                base = peft.get_peft_model(model, config).get_base_model()
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError("--lora-targets", ",".join(targets), f"cannot take LoRA adapters: {e}",
                               "name linear modules of the model's layers, e.g. q_proj,v_proj, or all-linear") from None
+        if any(type(m).__name__ == "ParamWrapper" for m in base.modules()):  # PEFT's target_parameters
+            raise ConfigError("--lora-targets", ",".join(targets), "makes PEFT adapt this model's fused experts as "
+                              "parameters (target_parameters), which snake does not train",
+                              "name the modules, e.g. --lora-targets q_proj,k_proj,v_proj,o_proj")
+        return base
 
     def sample(self) -> tuple[Any, list[int] | None]:
         """(ModelParts of the model cut to its first layers, fresh weights: what the probes

@@ -251,11 +251,12 @@ def test_lora_weights_left_in_their_files_plan_where_loaded_ones_do_not_fit(tmp_
                              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256
                              ).save_pretrained(tmp_path / "llama")
     argv = ["--model", f"hf:{tmp_path / 'llama'}", "--seq-len", "128", "--micro-batch-size", "2", "--lora", "8",
-            "--offload-dir", str(tmp_path / "off"), "--json"]
+            "--offload-dir", str(tmp_path / "off"), "--json", "--max-micro-batches", "1", "--alpha", "0"]
     assert plan_main([*argv, "--stream"]) == 0
     roomy = json.loads(capsys.readouterr().out)
     frozen_bytes = roomy["frozen_params"] * 4
-    budget = str(int(roomy["host_total_bytes"] + frozen_bytes / 2))  # the streamed run's need, and half the base
+    # the streamed run's need (one micro-batch, as every plan here), and half the base
+    budget = str(int(roomy["host_total_bytes"] + frozen_bytes / 2))
     assert plan_main([*argv, "--cpu-memory", budget]) == 2
     assert "snake plan: infeasible: CPU memory" in capsys.readouterr().err
     assert plan_main([*argv, "--cpu-memory", budget, "--stream"]) == 0
@@ -281,6 +282,9 @@ def test_lora_weights_left_in_their_files_plan_where_loaded_ones_do_not_fit(tmp_
         ("hf:{tmp}/llama", ["--seq-len", "32", "--lora", "0"], "argument --lora: 0 must be an integer >= 1"),
         ("hf:{tmp}/llama", ["--seq-len", "32", "--lora", "4", "--lora-targets", "q_proj,,v_proj"],
          "is not a comma-separated list of module names"),
+        # PEFT's all-linear adapts fused experts as parameters, which snake does not train
+        ("hf:{tmp}/moe", ["--seq-len", "32", "--lora", "4"],
+         "snake plan: --lora-targets='all-linear' makes PEFT adapt this model's fused experts as parameters"),
     ],
 )
 def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
@@ -290,6 +294,7 @@ def test_hf_model_mistakes_return_2(tmp_path, capsys, model, extra, says):
     moe = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=200, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     transformers.Qwen3MoeConfig(**moe, output_router_logits=True).save_pretrained(tmp_path / "router-loss")
+    transformers.Qwen3MoeConfig(**moe).save_pretrained(tmp_path / "moe")
     argv = ["--model", model.format(tmp=tmp_path), "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "o"), *extra]
     assert plan_main(argv) == 2
     captured = capsys.readouterr()
