@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 
 class SnakeError(Exception):
     """Base class of every error snake raises on purpose."""
@@ -91,3 +94,31 @@ class ActorFailed(SnakeError, RuntimeError):
             f"actor {actor!r} failed{' at ' + where if where else ''}: "
             f"{type(cause).__name__}: {cause}"
         )
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the local variables of snake's own frames in `exc`'s traceback, and in those of
+    its cause, its context and an exception group's members, all the way down. A caller that
+    keeps the exception (a service's record of a failed or cancelled job, a done task,
+    gather(return_exceptions=True)) kept a closed trainer's engine, stores and buffers alive
+    through them: +75 MiB per job of a 3.2 M-parameter GPT (an audit, round 38). The
+    tracebacks keep their lines; frames still running (the raising one) and the user's own
+    frames are left as they are."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # snake's and planner's parent
+    ours = tuple(os.path.join(root, name) + os.sep for name in ("snake", "planner"))
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(ours):
+                with contextlib.suppress(RuntimeError):  # a frame still running
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, BaseExceptionGroup):
+            todo += list(e.exceptions)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
-from snake.errors import ConfigError, DataError, SnakeError, Stopped
+from snake.errors import ConfigError, DataError, SnakeError, Stopped, release_frames
 from snake.lr import check_rates
 from snake.offload_dir import DirLock, check_offload_dir, memory_fs
 from snake.optim import decay_flags
@@ -48,6 +49,27 @@ log = logging.getLogger("snake")
 # how long shutting down waits for a data next() a cancellation left running (a list's
 # returns at once) before it leaves that thread to end on its own
 _NEXT_GRACE_S = 0.25
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _releasing(method: Callable[Concatenate[Any, P], Awaitable[R]]) -> Callable[Concatenate[Any, P], Awaitable[R]]:
+    """A trainer's call whose exceptions leave no trainer behind them: snake's frames in
+    their tracebacks cleared (`snake.errors.release_frames`), and this wrapper's own frame,
+    which the traceback keeps, holding neither the trainer nor the arguments. A service that
+    keeps a failed or cancelled job's exception (or its task) kept the trainer's engine and
+    model alive through them: +75 MiB per job of a 3.2 M-parameter GPT (an audit, round 38)."""
+
+    @functools.wraps(method)
+    async def call(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(self, *args, **kwargs)
+        except BaseException as exc:
+            release_frames(exc)
+            del self, args, kwargs
+            raise
+
+    return call
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +132,7 @@ class SnakeTrainer:
         await self.close()
 
     # -- running ----------------------------------------------------------------------
+    @_releasing
     async def run(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> RunReport:
         """Train `steps` iterations (continuing from the last run). `on_step` is called on the
         event loop with each step's report as it finishes (keep it quick)."""
@@ -155,6 +178,7 @@ class SnakeTrainer:
         """Bytes moved in the last finished iteration, by (src tier, dst tier, kind)."""
         return self.engine.traffic.last() if self.engine is not None else {}
 
+    @_releasing
     async def state_dict(self, *, trained_only: bool = False) -> dict[str, torch.Tensor]:
         """fp32 master weights with the keys and shapes of `model.state_dict()`; with
         `trained_only` only those of the trained parameters (requires_grad: a LoRA
@@ -265,6 +289,7 @@ class SnakeTrainer:
             out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
         return out
 
+    @_releasing
     async def evaluate(self, data: Any, *, max_batches: int | None = None,
                        batches_per_pass: int | None = None) -> EvalReport:
         """The validation loss of the current weights: the mean cross-entropy over every
@@ -279,6 +304,7 @@ class SnakeTrainer:
 
         return await evaluate_model(self, data, max_batches, batches_per_pass)
 
+    @_releasing
     async def save(self, directory: Any, *, frozen: bool | None = None) -> None:
         """Write a checkpoint to `directory` (atomically; see snake.checkpoint): fp32 master
         weights, AdamW state, step, RNG state, data position. Pending delayed optimizer
@@ -290,6 +316,7 @@ class SnakeTrainer:
 
         await save_checkpoint(self, directory, frozen=frozen)
 
+    @_releasing
     async def load(self, directory: Any, *, skip_data: bool = True) -> None:
         """Resume from a checkpoint: on a new trainer, before `run`. Checks the checkpoint
         against the model and config (ConfigError naming the field), skips the global
