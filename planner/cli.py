@@ -113,6 +113,7 @@ class HFModel:
     lora: int | None = None  # --lora: the adapters' rank
     lora_targets: tuple[str, ...] = ("all-linear",)  # --lora-targets: PEFT's target_modules
     stream: bool = False  # --stream: the layers' frozen weights stay in the files, mapped
+    dtype: str = "float32"  # --dtype: with --lora, the base is loaded in it
 
     @property
     def n_layer(self) -> int:
@@ -141,13 +142,18 @@ class HFModel:
 
     def _adapted(self, model: Any) -> Any:
         """The model with the LoRA adapters --lora asks for in it, as PEFT's `get_peft_model`
-        puts them (its base model, which snake trains), or the model itself."""
+        puts them (its base model, which snake trains), or the model itself. The base is in
+        the compute dtype, as one loads it for a bfloat16 fine-tune: PEFT's adapters of it
+        stay in float32, which snake holds with the embedding and head rather than streams."""
         if self.lora is None:
             return model
         try:
             import peft
         except ImportError as e:
             raise ConfigError("--lora", self.lora, "needs PEFT, which is not installed", "pip install peft") from e
+        from snake.kernels import TORCH_DTYPES
+
+        model = model.to(TORCH_DTYPES[self.dtype])
         targets = self.lora_targets
         config = peft.LoraConfig(r=self.lora, target_modules="all-linear" if targets == ("all-linear",) else list(targets))
         try:
@@ -446,7 +452,7 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     try:
         _check_lora(args)
         if isinstance(args.model, HFModel):
-            args.model = dataclasses.replace(args.model, lora=args.lora, stream=args.stream,
+            args.model = dataclasses.replace(args.model, lora=args.lora, stream=args.stream, dtype=args.dtype,
                                              lora_targets=args.lora_targets or ("all-linear",))
             args.model.check_layers()  # before anything is written
         _check_args(args, measure=profile is None)

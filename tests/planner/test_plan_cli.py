@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import synthetic_profile
 
 from planner.cli import parse_model, parse_size, plan_main
@@ -190,13 +191,15 @@ def test_hf_model_directory_is_planned_for_all_its_layers(tmp_path, capsys, monk
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_lora_of_an_hf_model_is_planned_with_the_trainers_shape(tmp_path, capsys, monkeypatch, stream):
+def test_lora_of_an_hf_model_is_planned_with_the_trainers_shape(tmp_path, capsys, monkeypatch, stream, dtype):
     """`--lora RANK` plans a LoRA fine-tune of an hf: model: the shape searched is the one
-    the trainer plans with for PEFT's adapters on the model (loaded, or from `stream_hf`
-    with `--stream`, whose layers' frozen weights stay in the files, outside the budget);
-    the output says what is trained and what is frozen. `--lora-targets` adapts fewer
-    modules."""
+    the trainer plans with for PEFT's adapters on the model loaded in the compute dtype
+    (loaded whole, or from `stream_hf` with `--stream`, whose layers' frozen weights stay in
+    the files, outside the budget; in bfloat16 PEFT's float32 adapters are held with the
+    embedding, not streamed); the output says what is trained and what is frozen.
+    `--lora-targets` adapts fewer modules."""
     import peft
     import transformers
 
@@ -215,12 +218,13 @@ def test_lora_of_an_hf_model_is_planned_with_the_trainers_shape(tmp_path, capsys
     real_search = cli.search
     monkeypatch.setattr(cli, "search", lambda profile, **kw: got.setdefault("shape", profile.shape) and real_search(profile, **kw))
     argv = ["--model", f"hf:{d}", "--seq-len", "32", "--micro-batch-size", "2", "--offload-dir", str(tmp_path / "off"),
-            "--cpu-memory", "4GiB", "--lora", "4", *(["--stream"] if stream else [])]
+            "--cpu-memory", "4GiB", "--lora", "4", "--dtype", dtype, *(["--stream"] if stream else [])]
     assert plan_main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    model = (stream_hf if stream else load_hf)(str(d))
+    model = (stream_hf if stream else load_hf)(str(d), dtype=getattr(torch, dtype))
     trainer_sees = describe(peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear")))
-    shape = shape_of_parts(trainer_sees, 2, 32, "float32")
+    shape = shape_of_parts(trainer_sees, 2, 32, dtype)
+    assert (shape.layer_params == 0) is (dtype == "bfloat16")  # the float32 adapters held, not streamed
     assert got["shape"] == shape and shape.layer_frozen_in_files is stream
     trained = sum(p.numel() for p in trainer_sees.model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in trainer_sees.model.parameters() if not p.requires_grad)
