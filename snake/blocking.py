@@ -36,6 +36,13 @@ async def wait_blocking(fut: asyncio.Future[R], on_cancel: Callable[[], None] | 
         raise
 
 
+def retrieved(fut: asyncio.Future[Any]) -> None:
+    """A done callback: mark the future's exception (if any) as retrieved, for a future a
+    cancellation left running that no one may await again (else asyncio logs its error)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def settle(fut: asyncio.Future[Any]) -> None:
     """Wait until an executor future is done, through any cancellation, and mark its
     exception (if any) as retrieved: for cleaning up after another failure."""
@@ -44,8 +51,7 @@ async def settle(fut: asyncio.Future[Any]) -> None:
             await asyncio.wait([fut])
         except asyncio.CancelledError:
             continue
-    if not fut.cancelled():
-        fut.exception()
+    retrieved(fut)
 
 
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h): the calling thread's name, 15 bytes + NUL

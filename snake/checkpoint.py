@@ -113,9 +113,9 @@ R = TypeVar("R")
 _rename = os.rename  # the one call that publishes a checkpoint (tests fake it)
 
 
-def _resolve(directory: str | os.PathLike[str], what: str = "directory") -> Path:
+def _resolve(directory: str | os.PathLike[str]) -> Path:
     if not isinstance(directory, str | os.PathLike):
-        raise ConfigError(what, directory, "must be a path (a str or an os.PathLike such as pathlib.Path)")
+        raise ConfigError("directory", directory, "must be a path (a str or an os.PathLike such as pathlib.Path)")
     return Path(os.path.abspath(Path(directory).expanduser()))
 
 
@@ -203,11 +203,7 @@ async def load_checkpoint(
                                                         trainer_digests(trainer)))
         consumed, left = int(manifest["consumed_batches"]), trainer.source.left()
         if skip_data and left is not None and left < consumed:  # a list or tuple: known before it is read
-            raise DataError(
-                f"load: the checkpoint has consumed {consumed} global batches but data holds {left}; pass the "
-                "data the checkpoint was trained on (from its start), or load(..., skip_data=False) with data "
-                "that starts after them"
-            )
+            raise _short_data(consumed, f"data holds {left}")
         trainer.config = fill_config(trainer.config, manifest)
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:
@@ -228,11 +224,7 @@ async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any]
             for _ in range(consumed):
                 await trainer.source.next(ex)
         except DataError as exc:
-            raise DataError(
-                f"load: the checkpoint has consumed {consumed} global batches but data ran out "
-                f"after {trainer.source.consumed}; pass the data the checkpoint was trained on "
-                "(from its start), or load(..., skip_data=False) with data that starts after them"
-            ) from exc
+            raise _short_data(consumed, f"data ran out after {trainer.source.consumed}") from exc
         finally:
             # joined unless a cancellation left the user's next() running there (it may block
             # for long, and the load does not wait for it, as run() does not): that thread
@@ -248,6 +240,14 @@ async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any]
         rng = await run_blocking(e.executors["io"], apply_checkpoint, e, trainer.parts, target, manifest,
                                  obuf[0] if obuf else None, pbuf[0] if pbuf else None, stop, on_cancel=stop.set)
     set_rng_state(rng)
+
+
+def _short_data(consumed: int, have: str) -> DataError:
+    return DataError(
+        f"load: the checkpoint has consumed {consumed} global batches but {have}; pass the data the "
+        "checkpoint was trained on (from its start), or load(..., skip_data=False) with data that starts "
+        "after them"
+    )
 
 
 @contextlib.contextmanager

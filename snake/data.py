@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from snake.blocking import retrieved
 from snake.errors import DataError
 
 _END = object()
@@ -53,7 +54,7 @@ class DataSource:
             pending = self._pending
             if pending is None and self._aiter is not None:
                 pending = self._pending = asyncio.ensure_future(anext(self._aiter, _END))
-                pending.add_done_callback(_retrieved)  # its error, where no run awaits it any more
+                pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
             elif pending is None:
                 assert self._iter is not None
                 self._call = executor.submit(next, self._iter, _END)
@@ -105,11 +106,6 @@ class DataSource:
         self.consumed -= 1
         self._peeked.append(item)
         return item
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def check_container(data: Any, what: str) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from snake.blocking import run_blocking, settle
+from snake.blocking import retrieved, run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.data import Vocab, check_container, split_batch
 from snake.device import helper_thread_init, synchronize
@@ -108,7 +108,7 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
         if data_ex is None:
             return await anext(ait, _END)
         fetch = asyncio.get_running_loop().run_in_executor(data_ex, _next, it)
-        fetch.add_done_callback(_retrieved)  # its error, where no one awaits it any more
+        fetch.add_done_callback(retrieved)  # its error, where no one awaits it any more
         return await asyncio.shield(fetch)
 
     try:
@@ -142,11 +142,6 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
 def _next(it: Iterator[Any] | None) -> Any:
     assert it is not None
     return next(it, _END)
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 async def _passes(trainer: SnakeTrainer, e: Engine, arena: _Arena, next_batch: Callable[[], Awaitable[Any]],
