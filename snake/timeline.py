@@ -21,11 +21,12 @@ COLORS = {
     "batch": "#bbbbbb",
     "eval": "#bcbd22",  # evaluate's loads and layers (snake.evaluate)
 }
+OTHER = "#999999"  # a span whose name has no colour of its own ("loss", "resident step")
 ORDER = ["data", "compute", "h2d", "d2h", "ssd_read", "ssd_write"]
 
 
 def _color(name: str) -> str:
-    return COLORS.get(name.split(" ")[0], "#999999")
+    return COLORS.get(name.split(" ")[0], OTHER)
 
 
 def plot_timeline(
@@ -67,7 +68,7 @@ def plot_timeline(
     ax.set_xlim(start, start + wall)
     ax.set_xlabel("seconds since the trainer was made (busy %: over the window shown)")
     ax.grid(axis="x", alpha=0.3)
-    used = {k: v for k, v in COLORS.items() if v in by_color}
+    used = {k: v for k, v in [*COLORS.items(), ("other", OTHER)] if v in by_color}
     ax.legend(
         handles=[Patch(color=v, label=k) for k, v in used.items()],
         loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(actors) / 4), ncol=min(len(used), 11), fontsize=8,

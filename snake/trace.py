@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -48,6 +49,7 @@ class Tracer:
         self.spans: deque[Span] = deque(maxlen=max_spans)
         self._tracks: dict[str, int] = {}
         self.last_end_s = 0.0  # when the last span ended: progress, for the stall watchdog
+        self._last_s = 0.0  # the latest end of any span (spans are added in no particular order)
         self.last_progress_s = 0.0  # progress inside one long piece of work (`progress`)
         self.recorded = 0  # spans recorded (the oldest beyond max_spans are not kept)
         self._first_s: float | None = None
@@ -116,6 +118,7 @@ class Tracer:
         if actor not in self._tracks:
             self._tracks[actor] = len(self._tracks) + 1
         self.last_end_s = end_s
+        self._last_s = max(self._last_s, end_s)
         self.spans.append(Span(actor, name, start_s, end_s, link, int(bytes)))
         self.recorded += 1
         self._first_s = start_s if self._first_s is None else min(self._first_s, start_s)
@@ -131,10 +134,9 @@ class Tracer:
 
     def totals(self) -> dict[str, Any]:
         """Whole-run totals (JSON): what `summarize` reads beyond the spans kept."""
-        ends = max((s.end_s for s in self.spans), default=0.0)
         return {
             "spans_recorded": self.recorded, "spans_kept": len(self.spans),
-            "first_s": self._first_s or 0.0, "last_s": max(self.last_end_s, ends),
+            "first_s": self._first_s or 0.0, "last_s": self._last_s,
             "busy_s": dict(self._busy),
             "copies": {k: {"bytes": v[0], "busy_s": v[1]} for k, v in self._copies.items()},
             "moved": dict(self._moved),
@@ -272,40 +274,92 @@ def _summarize_totals(totals: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_NOT_SNAKES = "pass the trace.json that `snake train` or `trainer.trace.save()` wrote"
+
+
 def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
     """A trace written by `Tracer.save`, read once: its spans, and the keyword arguments of
-    `summarize` its records give (`event_loop`, `threads`: those it has)."""
-    data = json.loads(Path(path).read_text())
+    `summarize` its records give (`totals`, `event_loop`, `threads`: those it has). A file
+    that is not one raises ValueError naming the event or record and the field."""
+    text = Path(path).read_text(errors="replace")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as bad:
+        cut = bad.pos >= len(text.rstrip())  # the text ended before the JSON did
+        raise ValueError(("a trace cut short (its JSON ends early: a copy interrupted, a disk that "
+                          "filled); " if cut else f"not JSON ({bad}); ") + _NOT_SNAKES) from None
     if isinstance(data, list):  # Chrome's other form: the events alone
         data = {"traceEvents": data}
     if (not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list)
             or not all(isinstance(e, dict) for e in data["traceEvents"])):
-        raise ValueError("not a trace (no list of trace events); pass the trace.json that `snake train` "
-                         "or `trainer.trace.save()` wrote")
-    names = {}
-    for e in data["traceEvents"]:
+        raise ValueError(f"not a trace (no list of trace events); {_NOT_SNAKES}")
+    names: dict[Any, str] = {}
+    spans = []
+    for i, e in enumerate(data["traceEvents"]):
+        where = f"traceEvents[{i}]"
         if e.get("ph") == "M" and e.get("name") == "thread_name":
-            names[e["tid"]] = e["args"]["name"]
-    spans = [
-        Span(
-            names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
-            e.get("args", {}).get("link"), int(e.get("args", {}).get("bytes", 0)),
-        )
-        for e in data["traceEvents"]
-        if e.get("ph") == "X"
-    ]
+            args = e.get("args")
+            if not isinstance(args, dict) or not isinstance(args.get("name"), str) or "tid" not in e:
+                raise ValueError(f"{where}: a thread_name record needs a tid and args.name (the track's "
+                                 f"name); {_NOT_SNAKES}")
+            names[e["tid"]] = args["name"]
+        elif e.get("ph") == "X":
+            args = e.get("args", {})
+            if not isinstance(args, dict) or "tid" not in e:
+                raise ValueError(f"{where}: a span needs a tid and args as an object; {_NOT_SNAKES}")
+            ts, dur = _number(e, "ts", where), _number(e, "dur", where)
+            nbytes = _number(args, "bytes", f"{where}.args", 0)
+            if dur < 0 or nbytes < 0:
+                raise ValueError(f"{where}: dur={dur!r} and args.bytes={nbytes!r} must be >= 0; {_NOT_SNAKES}")
+            spans.append((e["tid"], str(e.get("name", "")), ts, dur, args.get("link"), int(nbytes)))
+    out = [Span(names.get(tid, str(tid)), name, ts / 1e6, (ts + dur) / 1e6, link if isinstance(link, str) else None,
+                nbytes) for tid, name, ts, dur, link, nbytes in spans]
     other = data.get("otherData", {})
+    if not isinstance(other, dict):
+        raise ValueError(f"otherData must be an object; {_NOT_SNAKES}")
     records: dict[str, Any] = {}
-    totals = other.get("snake_totals")
-    if isinstance(totals, dict):
-        records["totals"] = totals
-    loop = other.get("snake_event_loop")
-    if isinstance(loop, dict):
-        records["event_loop"] = {k: float(v) for k, v in loop.items()}
-    threads = other.get("snake_threads")
-    if isinstance(threads, dict):
-        records["threads"] = {str(g): {k: float(x) for k, x in v.items()} for g, v in threads.items()}
-    return spans, records
+    if "snake_totals" in other:
+        records["totals"] = _checked_totals(other["snake_totals"])
+    if "snake_event_loop" in other:
+        records["event_loop"] = _numbers(other["snake_event_loop"], "otherData.snake_event_loop",
+                                         ("cpu_s", "run_wall_s", "cpu_fraction"))
+    if "snake_threads" in other:
+        threads = other["snake_threads"]
+        if not isinstance(threads, dict):
+            raise ValueError(f"otherData.snake_threads must be an object; {_NOT_SNAKES}")
+        records["threads"] = {str(g): _numbers(v, f"otherData.snake_threads[{g!r}]",
+                                               ("cpu_s", "runqueue_wait_s", "cpu_fraction", "runqueue_fraction"))
+                              for g, v in threads.items()}
+    return out, records
+
+
+def _number(record: dict[str, Any], key: str, where: str, default: float | None = None) -> float:
+    """record[key] as a finite float, else a ValueError naming `where` and `key`."""
+    value = record.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{where}: {key}={value!r} must be a finite number; {_NOT_SNAKES}")
+    return float(value)
+
+
+def _numbers(record: Any, where: str, keys: tuple[str, ...]) -> dict[str, float]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} must be an object; {_NOT_SNAKES}")
+    return {k: _number(record, k, where) for k in keys}
+
+
+def _checked_totals(totals: Any) -> dict[str, Any]:
+    """A trace's `snake_totals` record (`Tracer.totals`), every field checked."""
+    where = "otherData.snake_totals"
+    out: dict[str, Any] = _numbers(totals, where, ("spans_recorded", "spans_kept", "first_s", "last_s"))
+    for key in ("busy_s", "moved"):
+        if not isinstance(totals.get(key), dict):
+            raise ValueError(f"{where}: {key} must be an object; {_NOT_SNAKES}")
+        out[key] = {str(k): _number(totals[key], k, f"{where}.{key}") for k in totals[key]}
+    if not isinstance(totals.get("copies"), dict):
+        raise ValueError(f"{where}: copies must be an object; {_NOT_SNAKES}")
+    out["copies"] = {str(k): _numbers(v, f"{where}.copies[{k!r}]", ("bytes", "busy_s"))
+                     for k, v in totals["copies"].items()}
+    return out
 
 
 class Traffic:
