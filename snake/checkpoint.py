@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import errno
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -90,6 +92,8 @@ from snake.memory import fmt_size
 if TYPE_CHECKING:
     from snake.engine import Engine
     from snake.trainer import SnakeTrainer
+
+log = logging.getLogger("snake")
 
 FORMAT = "snake-checkpoint"
 # 2: `missed_steps` (round 25). A version 1 checkpoint has none (its snake stepped every
@@ -164,6 +168,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             # off the event loop: the frozen parameters' digests read them whole
             "model": await _blocking(e, lambda: model_spec(trainer.parts, trainer_digests(trainer))),
             "model_config": model_config(trainer.parts),
+            "peft": peft_record(trainer.parts),
             "missed_steps": missed_steps(e) if e is not None else {},
             "frozen_stored": store,
         }
@@ -315,6 +320,34 @@ def model_config(parts: ModelParts) -> dict[str, Any] | None:
         # a PEFT model's layers hold adapters its config does not build (`snake export` refuses)
         return {"kind": "transformers+peft" if has_peft_layers(model) else "transformers", **to_dict()}
     return None
+
+
+def peft_record(parts: ModelParts) -> dict[str, Any] | None:
+    """What `snake export` needs to make a PEFT model's adapters again: its PEFT configs by
+    adapter name as JSON (PEFT's `to_dict`, its sets as sorted lists) and the adapters that
+    were active; None for a model without PEFT's adapters, or with a config JSON cannot
+    hold (logged)."""
+    model = parts.model
+    configs = getattr(model, "peft_config", None)
+    if not has_peft_layers(model) or not isinstance(configs, dict):
+        return None
+    lists = (getattr(m, "active_adapters", None) for m in model.modules() if type(m).__module__.startswith("peft."))
+    active = next(([str(a) for a in names] for names in lists if isinstance(names, list)), [])
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(value, key=str)
+        if isinstance(value, enum.Enum):
+            return value.value
+        raise TypeError(f"{type(value).__name__} is not JSON")
+
+    try:
+        record = {str(name): json.loads(json.dumps(cfg.to_dict(), default=plain)) for name, cfg in configs.items()}
+    except (TypeError, ValueError, AttributeError) as e:
+        log.warning("save: the model's PEFT config is not recorded (%s); snake export cannot make its adapters "
+                    "from this checkpoint", e)
+        return None
+    return {"configs": record, "active": active}
 
 
 def model_spec(parts: ModelParts, digests: dict[str, str] | None = None) -> dict[str, Any]:

@@ -287,19 +287,21 @@ def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
     _check_can_create("--checkpoint", text, path.absolute().parent, fix, probe_prefix=f".{path.name}.tmp-probe")
 
 
-def _check_export_dir(text: str) -> None:
-    """Refuse now an --hf path that export could not write into. Leaves nothing behind."""
+def _check_export_dir(text: str, option: str = "--hf", marker: str = "config.json") -> None:
+    """Refuse now an export path (`option`) that export could not write into: one with
+    files but no `marker` (what a directory of the kind it writes has). Leaves nothing behind."""
     path = Path(text).expanduser()
-    fix = "pass a new or empty directory you can write to, or a Hugging Face model directory to replace"
+    what = "Hugging Face model" if option == "--hf" else "PEFT adapter"
+    fix = f"pass a new or empty directory you can write to, or a {what} directory to replace"
     if not text.strip():
-        raise ConfigError("--hf", text, "is empty", fix)
+        raise ConfigError(option, text, "is empty", fix)
     if path.exists() and not path.is_dir():
-        raise ConfigError("--hf", text, "exists and is not a directory", fix)
-    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
-        # save_pretrained writes config.json and model*.safetensors over what is there
-        raise ConfigError("--hf", text, "is a directory with files but no config.json (not a Hugging Face model "
+        raise ConfigError(option, text, "exists and is not a directory", fix)
+    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+        # save_pretrained writes its config and *.safetensors over what is there
+        raise ConfigError(option, text, f"is a directory with files but no {marker} (not a {what} "
                           "directory), which the export would write its files into", fix)
-    _check_can_create("--hf", text, path.absolute(), fix, probe_prefix=".snake-export-probe-")
+    _check_can_create(option, text, path.absolute(), fix, probe_prefix=".snake-export-probe-")
 
 
 def _check_can_create(option: str, text: str, where: Path, fix: str, *, probe_prefix: str) -> None:
@@ -601,9 +603,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
     sub.add_parser("plan", help="profile this machine and plan placement, alpha and micro-batches", add_help=False)
-    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (from_pretrained)")
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (from_pretrained), or a PEFT "
+                                       "model's checkpoint as its adapters (PeftModel.from_pretrained)")
     ex.add_argument("checkpoint")
-    ex.add_argument("--hf", required=True, metavar="DIR", help="output directory")
+    to = ex.add_mutually_exclusive_group(required=True)
+    to.add_argument("--hf", metavar="DIR", help="output directory of the whole model")
+    to.add_argument("--peft", metavar="DIR", help="output directory of a PEFT model's adapters (adapter_config.json "
+                                                  "and adapter_model.safetensors)")
     sub.add_parser("trace", help="summarize or plot a trace.json", add_help=False)
     if argv and argv[0] == "trace":
         return _trace(argv[1:])
@@ -614,15 +620,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cmd == "export":
-        from snake.export import export_checkpoint_hf
+        from snake.export import export_checkpoint_hf, export_checkpoint_peft
 
         try:
-            _check_export_dir(args.hf)  # before the checkpoint is read
-            out = export_checkpoint_hf(args.checkpoint, args.hf)
+            if args.peft is not None:
+                _check_export_dir(args.peft, "--peft", "adapter_config.json")  # before the checkpoint is read
+                out = export_checkpoint_peft(args.checkpoint, args.peft)
+            else:
+                _check_export_dir(args.hf, "--hf", "config.json")
+                out = export_checkpoint_hf(args.checkpoint, args.hf)
         except SnakeError as e:
             print(f"snake export: {e}", file=sys.stderr)
             return 2
-        print(f"wrote {out} (load it with transformers' from_pretrained)")
+        how = "peft's PeftModel.from_pretrained(base_model, DIR)" if args.peft is not None else \
+            "transformers' from_pretrained"
+        print(f"wrote {out} (load it with {how})")
         return 0
     if args.cmd == "train":
         try:

@@ -5,6 +5,7 @@ a Hugging Face model is rebuilt from its own config."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -80,13 +81,7 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
         )
     kind = config.pop("kind")
     if kind == "transformers+peft":
-        raise SnakeError(
-            f"export: {checkpoint} is of a PEFT model (adapters in its layers, which its config does not "
-            "build); save them in the process that trains it: peft_model.get_base_model().load_state_dict("
-            "await trainer.state_dict(trained_only=True), strict=False), then "
-            "peft_model.save_pretrained(out) (or peft_model.merge_and_unload().save_pretrained(out) for "
-            "the whole model)"
-        )
+        return _export_merged(checkpoint, manifest, masters, out)
     if manifest.get("frozen_stored", True) is False:
         raise SnakeError(
             f"export: {checkpoint} was saved without its frozen parameters (save(frozen=False)), which the "
@@ -157,3 +152,145 @@ def _model_and_state(checkpoint: str | Path, kind: str, config: dict[str, Any],
                     "config's initial values, which may not be the trained model's; save it again, or export "
                     "in-process with snake.hf.export_hf", checkpoint, len(fresh), ", ".join(fresh[:3]))
     return sd, model
+
+
+
+# initialisations that change the base weights: the adapters a checkpoint holds are of that
+# changed base, which a user's base model is not (PEFT converts them at save_pretrained with
+# path_initial_model_for_weight_conversion, in the process that made them)
+_BASE_CHANGING = ("pissa", "olora", "corda", "loftq", "eva")
+_IN_PROCESS = ("peft_model.get_base_model().load_state_dict(await trainer.state_dict(trained_only=True), "
+               "strict=False), then peft_model.save_pretrained(out)")
+
+
+def _peft_model(checkpoint: str | Path, manifest: dict[str, Any], masters: dict[str, torch.Tensor], *,
+                meta: bool, what: str) -> tuple[Any, list[str]]:
+    """The PEFT model a checkpoint's recorded model and PEFT configs build (on the meta
+    device if `meta`), holding the checkpoint's tensors, and the names of the adapters it
+    holds every value of, the active ones first (in the order they were active). `what`: the
+    operation errors name."""
+    from peft import get_peft_model
+    from peft.config import PeftConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snake.hf import causal_lm_class
+
+    config = dict(manifest.get("model_config") or {})
+    config.pop("kind", None)
+    record = manifest.get("peft")
+    recorded = record.get("configs") if isinstance(record, dict) else None
+    if not isinstance(recorded, dict) or not recorded or not all(isinstance(v, dict) for v in recorded.values()):
+        raise SnakeError(
+            f"{what}: {checkpoint} does not record its PEFT config (saved by a snake before it did, or with a "
+            f"config JSON cannot hold); save it again with this snake, or in the process that trains it: {_IN_PROCESS}"
+        )
+    configs = {}
+    for name, d in recorded.items():
+        try:
+            # the base is named after get_peft_model (which warns of a name not the model's)
+            configs[name] = PeftConfig.from_peft_type(**{**d, "base_model_name_or_path": None})
+        except Exception as e:  # noqa: BLE001 - PEFT's own kinds, of a config this PEFT does not know
+            raise SnakeError(
+                f"{what}: {checkpoint}'s recorded PEFT config {name!r} does not build with this PEFT "
+                f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); export in the process that trains it: "
+                f"{_IN_PROCESS}"
+            ) from e
+        init = str(getattr(configs[name], "init_lora_weights", "")).lower()
+        if any(init.startswith(kind) for kind in _BASE_CHANGING):
+            raise SnakeError(
+                f"{what}: {checkpoint}'s adapter {name!r} has init_lora_weights={init!r}, which changes the base "
+                "weights, so its adapters do not apply to the base model; convert them in the process that trains "
+                "it with peft_model.save_pretrained(out, path_initial_model_for_weight_conversion=...)"
+            )
+    model_type = config.pop("model_type", None)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **config)
+        cls = causal_lm_class(hf_config)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            base = cls.from_config(hf_config) if cls is AutoModelForCausalLM else cls._from_config(hf_config)
+            names = iter(configs)
+            first = next(names)
+            model = get_peft_model(base, configs[first], adapter_name=first)
+            for name in names:
+                model.add_adapter(name, configs[name])
+    except Exception as e:  # noqa: BLE001 - transformers' and PEFT's own kinds
+        raise SnakeError(
+            f"{what}: {checkpoint}'s recorded model and PEFT configs do not build its model "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); was its manifest.json edited? Export in the "
+            f"process that trains it: {_IN_PROCESS}"
+        ) from e
+    inner = model.get_base_model()
+    own = inner.state_dict()
+    strange = [k for k in masters if k not in own]
+    if strange:
+        raise SnakeError(
+            f"{what}: {checkpoint} holds {strange[0]!r} ({len(strange)} tensors), which the model its recorded "
+            "configs build has not: the checkpoint is not of this model; was its manifest.json edited?"
+        )
+    inner.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() and not meta else v
+                           for k, v in masters.items()}, strict=False, assign=meta)
+    held = []
+    for name in configs:
+        # the recorded base (get_peft_model took the name of the model built here)
+        model.peft_config[name].base_model_name_or_path = recorded[name].get("base_model_name_or_path")
+        values = [k for k, _ in inner.named_parameters() if name in k.split(".")]
+        empty = [k for k in values if k not in masters]
+        if not empty:
+            held.append(name)
+        elif len(configs) == 1 or len(empty) < len(values):
+            raise SnakeError(
+                f"{what}: {checkpoint} holds no value for adapter {name!r}'s {empty[0]!r} ({len(empty)} tensors "
+                "missing): the checkpoint is not of this model"
+            )
+        else:  # an adapter that was not active: frozen, and not stored (save(frozen=True) stores it)
+            log.warning("%s: %s holds none of adapter %r (it was not trained, and was saved without the frozen "
+                        "parameters); it is left out", what, checkpoint, name)
+    if not held:
+        raise SnakeError(f"{what}: {checkpoint} holds none of its adapters' values: nothing to export")
+    active = [a for a in record.get("active") or [] if a in held]  # type: ignore[union-attr]
+    return model, active + [a for a in held if a not in active]
+
+
+def _export_merged(checkpoint: str | Path, manifest: dict[str, Any], masters: dict[str, torch.Tensor],
+                   out: str | Path) -> Path:
+    """A PEFT model's checkpoint as the whole model, its active adapters merged into the base
+    weights (PEFT's merge_and_unload), which needs the base: a checkpoint saved with
+    save(frozen=True)."""
+    from snake.hf import export_hf
+
+    if manifest.get("frozen_stored", True) is False:
+        raise SnakeError(
+            f"export --hf: {checkpoint} is of a PEFT model saved without its frozen base weights (save's default "
+            "for one): export its adapters with `snake export CHECKPOINT --peft DIR` and load them onto the base "
+            "with PeftModel.from_pretrained(base_model, DIR); for the whole model, merged, save with "
+            "save(frozen=True)"
+        )
+    model, held = _peft_model(checkpoint, manifest, masters, meta=False, what="export --hf")
+    record = manifest.get("peft") or {}
+    active = [a for a in record.get("active") or [] if a in held]
+    if not active:
+        raise SnakeError(f"export --hf: {checkpoint} records no active adapter to merge; export them with --peft")
+    merged = model.merge_and_unload(adapter_names=active)
+    return export_hf(merged.state_dict(), merged, out)
+
+
+def export_checkpoint_peft(checkpoint: str | Path, out: str | Path) -> Path:
+    """Blocking: write the adapters of `checkpoint` (a PEFT model's: its trained fp32 master
+    weights) as PEFT's `save_pretrained` does, adapter_config.json and
+    adapter_model.safetensors in `out` (another adapter in `out/NAME`), which
+    `PeftModel.from_pretrained(base_model, out)` loads. The base is built on the meta device
+    from the recorded config: nothing of it is read or written (not even a resized embedding,
+    which PEFT's save_pretrained may add: save such a model in the process that trains it)."""
+    manifest, masters = read_masters(checkpoint)
+    kind = (manifest.get("model_config") or {}).get("kind")
+    if kind != "transformers+peft":
+        raise SnakeError(f"export --peft: {checkpoint} is not of a model with PEFT's adapters; export it with --hf")
+    model, held = _peft_model(checkpoint, manifest, masters, meta=True, what="export --peft")
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    # the adapters alone: the base's embedding is not saved, nor is the base looked up on the
+    # Hub (PEFT's "auto" does, to see if the vocabulary was resized)
+    model.save_pretrained(str(path), selected_adapters=held, save_embedding_layers=False)
+    if not (path / "adapter_config.json").is_file():
+        raise SnakeError(f"export --peft: PEFT's save_pretrained wrote no adapter_config.json in {str(path)!r}")
+    return path

@@ -33,11 +33,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
-def lora(kind: str = "llama", dtype: torch.dtype = torch.float32, use_dora: bool = False, **kw) -> PeftModel:
-    """The test model of `kind` in `dtype` with LoRA adapters (PEFT's defaults: float32;
-    `use_dora`: DoRA's), B away from its zero start (so that A gets gradients from the first
-    step)."""
-    model = get_peft_model(make(kind, **kw).to(dtype), LoraConfig(**LORA, use_dora=use_dora))
+def lora(kind: str = "llama", dtype: torch.dtype = torch.float32, use_dora: bool = False,
+         peft: dict | None = None, **kw) -> PeftModel:
+    """The test model of `kind` (`kw` to `make`) in `dtype` with LoRA adapters (PEFT's
+    defaults: float32; `use_dora`: DoRA's; `peft`: more of LoraConfig), B away from its zero
+    start (so that A gets gradients from the first step)."""
+    model = get_peft_model(make(kind, **kw).to(dtype), LoraConfig(**LORA, use_dora=use_dora, **(peft or {})))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -467,3 +468,127 @@ def test_an_initialisation_that_changes_the_base_weights_is_refused_on_a_streame
     assert not (tmp_path / "off").exists()
     with pytest.raises(ModelError, match="init_adapters: LlamaForCausalLM is not a model from snake.hf.stream_hf"):
         init_adapters(make("llama"))
+
+
+# -- `snake export --peft` and `--hf` of a PEFT model's checkpoint --------------------------
+
+
+def exported_adapters(directory) -> dict[str, torch.Tensor]:
+    with safe_open(str(directory / "adapter_model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_exports_its_adapters_as_peft_saves_them(tmp_path, capsys):
+    """`snake export CKPT --peft DIR` writes a PEFT model's checkpoint as PEFT's own
+    save_pretrained does, from the configs the checkpoint records, with no process of the
+    training and nothing of the base read: PEFT loads it onto the base model with the
+    trained logits, bit for bit; `--hf` of it (saved without its frozen base) names --peft."""
+    model = lora(peft={"modules_to_save": ["lm_head"]}, tie_word_embeddings=False)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    got = await train(model, data, tmp_path)
+    model.get_base_model().load_state_dict(got)
+    out = tmp_path / "adapter"
+    assert main(["export", str(tmp_path / "ckpt"), "--peft", str(out)]) == 0
+    model.save_pretrained(str(tmp_path / "by-peft"))
+    ours, theirs = exported_adapters(out), exported_adapters(tmp_path / "by-peft")
+    assert ours.keys() == theirs.keys() and any(".lm_head." in k for k in ours)
+    for k, v in theirs.items():
+        assert torch.equal(ours[k], v), k
+    want = json.loads((tmp_path / "by-peft" / "adapter_config.json").read_text())
+    assert json.loads((out / "adapter_config.json").read_text()) == want
+    again = PeftModel.from_pretrained(make("llama"), str(out))
+    x = data[0][0]
+    with torch.no_grad():
+        assert torch.equal(again.eval()(x).logits, model.eval()(x).logits)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 2
+    assert "--peft DIR" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_with_its_base_exports_the_merged_model(tmp_path):
+    """A PEFT model's checkpoint saved with its frozen base (save(frozen=True)) exports with
+    --hf as the whole model, the active adapter merged into the base (PEFT's
+    merge_and_unload): transformers loads it with the trained model's logits; an adapter
+    that was not active is not merged."""
+    model = lora(use_dora=True)
+    model.add_adapter("other", LoraConfig(**LORA))  # not active: not trained, not merged
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B.other" in name:
+                p.fill_(0.5)
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    async with SnakeTrainer(model, data=data, config=snake_config(tmp_path)) as trainer:
+        await asyncio.wait_for(trainer.run(2), timeout=120)
+        await trainer.save(tmp_path / "ckpt", frozen=True)
+        model.get_base_model().load_state_dict(await trainer.state_dict())
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    x = data[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(x).logits, model.eval()(x).logits, rtol=0, atol=1e-5)
+    # both adapters are in the checkpoint: --peft writes the other beside the active one
+    assert main(["export", str(tmp_path / "ckpt"), "--peft", str(tmp_path / "adapters")]) == 0
+    assert (tmp_path / "adapters" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapters" / "other" / "adapter_config.json").is_file()
+    other = exported_adapters(tmp_path / "adapters" / "other")
+    assert other and all(torch.equal(v, torch.full_like(v, 0.5)) for k, v in other.items() if "lora_B" in k)
+
+
+@pytest.mark.asyncio
+async def test_adapters_of_a_streamed_bf16_model_export_from_its_checkpoint(tmp_path):
+    """A LoRA of a bf16 model streamed from its files (fp32 adapters) exports with --peft:
+    the file holds the trained adapters by PEFT's names, the base the user's PEFT config
+    names (here not the local directory it was loaded from), and loads onto the base in
+    memory."""
+    _, path = saved("llama", tmp_path)
+    torch.manual_seed(3)
+    streamed = get_peft_model(stream_hf(path, dtype=torch.bfloat16), LoraConfig(**LORA, init_lora_weights="gaussian"))
+    streamed.peft_config["default"].base_model_name_or_path = "org/tiny-llama"
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    async with SnakeTrainer(streamed, data=data, config=snake_config(tmp_path / "a", dtype="bfloat16")) as trainer:
+        await asyncio.wait_for(trainer.run(2), timeout=120)
+        await trainer.save(tmp_path / "ckpt")
+        trained = await trainer.state_dict(trained_only=True)
+    out = tmp_path / "adapter"
+    assert main(["export", str(tmp_path / "ckpt"), "--peft", str(out)]) == 0
+    ours = exported_adapters(out)
+    assert len(ours) == len(trained)
+    for name, v in trained.items():
+        assert torch.equal(ours["base_model.model." + name.replace(".default.", ".")], v), name
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/tiny-llama"
+    assert config["r"] == LORA["r"] and sorted(config["target_modules"]) == sorted(LORA["target_modules"])
+    PeftModel.from_pretrained(load_hf(path, dtype=torch.bfloat16), str(out))  # loads
+
+
+@pytest.mark.asyncio
+async def test_what_export_cannot_make_adapters_of_is_refused_by_name(tmp_path, capsys):
+    """--peft of a checkpoint without PEFT's adapters, of one saved before the PEFT config was
+    recorded, into a directory of other files: each refused by name, nothing written."""
+    model = lora()
+    data = batches(3, 4, seq=16, vocab=VOCAB)
+    await train(model, data, tmp_path)
+    ckpt = tmp_path / "ckpt"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    assert main(["export", str(ckpt), "--peft", str(busy)]) == 2
+    assert "--peft" in capsys.readouterr().err and sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["peft"]["active"] == ["default"]
+    del manifest["peft"]  # as a checkpoint of a snake before it was recorded
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["export", str(ckpt), "--peft", str(tmp_path / "a")]) == 2
+    assert "does not record its PEFT config" in capsys.readouterr().err and not (tmp_path / "a").exists()
+
+    plain = make("llama")
+    async with SnakeTrainer(plain, data=data, config=snake_config(tmp_path / "p")) as trainer:
+        await asyncio.wait_for(trainer.run(1), timeout=120)
+        await trainer.save(tmp_path / "plain")
+    assert main(["export", str(tmp_path / "plain"), "--peft", str(tmp_path / "b")]) == 2
+    assert "export it with --hf" in capsys.readouterr().err and not (tmp_path / "b").exists()
