@@ -52,6 +52,8 @@ class DataSource:
             item = self._peeked.pop()
         else:
             pending = self._pending
+            if pending is not None and pending.get_loop() is not asyncio.get_running_loop():
+                pending = self._adopt(pending)
             if pending is None and self._aiter is not None:
                 pending = self._pending = asyncio.ensure_future(anext(self._aiter, _END))
                 pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
@@ -74,6 +76,20 @@ class DataSource:
             )
         self.consumed += 1
         return item
+
+    def _adopt(self, pending: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """A next() a cancellation left running in another event loop (a first run() timed
+        out in one asyncio.run(), tried again in the next): a sync iterator's is awaited here
+        through its thread's own future (awaiting the other loop's copy failed, "attached to
+        a different loop", and closed the trainer); an async one's `__anext__` runs in that
+        loop, where its batch stays."""
+        if self._call is None:
+            raise DataError(
+                "data: the async iterator's __anext__ that a cancelled call left running belongs to another event "
+                "loop; call the trainer from one loop (one asyncio.run() around its calls), or give a sync iterable"
+            )
+        self._pending = asyncio.wrap_future(self._call)
+        return self._pending
 
     def release(self) -> None:
         """Drop the iterator (the trainer is closed): a DataLoader's worker processes, which

@@ -373,7 +373,7 @@ def _load(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None,
                 slot[off + u.k : off + u.n].copy_(store.tail(u, buf)[0])
             off += u.n
         frozen = e.kernels.frozen_host[layer]
-        if frozen is not None:
+        if frozen is not None and e.device.type != "cpu":  # a CPU device reads them in place
             slot[off : off + frozen.numel()].copy_(frozen)
             off += frozen.numel()
     synchronize(e.device)

@@ -19,9 +19,24 @@ from snake.engine import Engine
 from snake.errors import ActorFailed, StallError
 
 
+class _Interrupted(Exception):
+    """A KeyboardInterrupt or SystemExit the user's code raised inside an actor (`on_step`,
+    the data's `next()`), carried out of the TaskGroup as an error, so that `run()` raises it
+    once the other actors have stopped: asyncio re-raises either out of the event loop from
+    every task it ends, so it came out of the loop first from the actor's task, before the
+    trainer shut down, and then again from run()'s, out of whatever the loop ran next (a
+    `close()` then stopped part-way, or `asyncio.run`'s clean-up)."""
+
+    def __init__(self, exc: KeyboardInterrupt | SystemExit) -> None:
+        super().__init__(repr(exc))
+        self.exc = exc
+
+
 async def _guarded(actor: Actor) -> None:
     try:
         await actor.run()
+    except (KeyboardInterrupt, SystemExit) as exc:
+        raise _Interrupted(exc) from None
     except Exception as exc:
         raise ActorFailed(
             actor.name, exc, iteration=actor.iteration, layer=actor.layer, micro_batch=actor.micro_batch
@@ -125,6 +140,9 @@ async def run_iterations(
         with engine.tracer.loop_clock():
             await _run_actors(engine, actors, mailboxes)
     except BaseExceptionGroup as eg:
+        interrupts = [x.exc for x in eg.exceptions if isinstance(x, _Interrupted)]
+        if interrupts:
+            raise interrupts[0] from None
         failures = [x for x in eg.exceptions if isinstance(x, ActorFailed)]
         if not failures:
             raise

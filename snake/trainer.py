@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("snake")
 
+# the key in the user's model's __dict__ naming the trainer whose call uses it (a weakref)
+_USER = "_snake_trainer"
 # how long shutting down waits for a data next() a cancellation left running (a list's
 # returns at once) before it leaves that thread to end on its own
 _NEXT_GRACE_S = 0.25
@@ -62,6 +65,7 @@ def _releasing(method: Callable[Concatenate[Any, P], Awaitable[R]]) -> Callable[
 
     @functools.wraps(method)
     async def call(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+        self._calling = method.__name__  # what `_begin` records as in progress, before any await
         try:
             return await method(self, *args, **kwargs)
         except BaseException as exc:
@@ -97,9 +101,11 @@ class SnakeTrainer:
     first batch or a cancellation while the first `run()` sets up, before its engine
     exists, leaves nothing behind: `run` can be tried again.)
     One call at a time: a `run()`, `save()`, `load()`, `evaluate()` or `state_dict()` while
-    another is in progress is refused. `close()` while one is in progress cancels the task
-    awaiting it, waits for it to stop, then closes. The trainer runs in the event loop of its first
-    `run()`; call it from that loop (`save()` and `state_dict()` work from any loop)."""
+    another is in progress is refused, as is one while another trainer's call uses the same
+    model object. `close()` while one is in progress cancels the task awaiting it, waits for
+    it to stop, then closes. The trainer runs in the event loop of its first `run()`; call it
+    from that loop (`save()`, `state_dict()`, `evaluate()`, `close()`, and setting up before
+    the first run, `load()`, work from any loop; `close()` from another thread's too)."""
 
     def __init__(self, model: nn.Module | ModelParts, *, data: Any, config: SnakeConfig) -> None:
         if not isinstance(config, SnakeConfig):
@@ -121,8 +127,10 @@ class SnakeTrainer:
         # the frozen parameters' digests, taken at the first save or load (snake.checkpoint)
         self._frozen_digests: dict[str, str] | None = None
         self._running = False
+        self._calling = ""  # the public call starting now (`_releasing`)
+        self._doing = ""  # the one in progress, named in a refusal
         self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
-        self._loop: asyncio.AbstractEventLoop | None = None  # the one the engine's queues belong to
+        self._loop: asyncio.AbstractEventLoop | None = None  # the first run()'s: the engine's queues belong to it
         self._vocab = Vocab()  # measured when the engine is built (_ckpt_shape)
 
     async def __aenter__(self) -> SnakeTrainer:
@@ -145,7 +153,7 @@ class SnakeTrainer:
         check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
             raise SnakeError(
-                "run: this trainer was set up in another event loop, which its queues belong to; "
+                "run: this trainer's first run() was in another event loop, which its queues belong to; "
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
             )
@@ -160,6 +168,9 @@ class SnakeTrainer:
             if self.engine is None:
                 await self._setup()
             assert self.engine is not None
+            # the actors' waits bind the engine's queues (its buffer pools) to this loop;
+            # setting up (also by a load() or evaluate() in another loop) binds none
+            self._loop = asyncio.get_running_loop()
             reports = await run_iterations(
                 self.engine, self.source, steps, vocab=self._vocab, on_step=on_step
             )
@@ -324,6 +335,8 @@ class SnakeTrainer:
         them), sets the trainer up and restores its state."""
         from snake.checkpoint import load_checkpoint
 
+        self._check_usable()
+        self._check_idle("load")  # else "has already run" while a first run() sets up
         await load_checkpoint(self, directory, skip_data=skip_data)
 
     async def close(self) -> None:
@@ -340,10 +353,10 @@ class SnakeTrainer:
     async def _close(self, caller: asyncio.Task[Any] | None) -> None:
         task = self._task
         if task is not None and task is not caller and not task.done():
-            task.cancel()
-            await asyncio.wait([task])
+            await _cancel_and_wait(task)
         await self._shutdown()
         self.source.release()
+        self._release_model()  # where the call's task never ends (its loop stopped)
 
     # -- internals --------------------------------------------------------------------
     def _check_idle(self, what: str) -> None:
@@ -351,16 +364,39 @@ class SnakeTrainer:
         buffers and stores."""
         if self._running:
             raise SnakeError(f"{what}: a run(), save(), load(), evaluate() or state_dict() of this trainer is in "
-                             "progress; await it first")
+                             f"progress (a {self._doing}() now); await it first")
 
     def _begin(self) -> None:
-        """A run(), save(), load(), evaluate() or state_dict() starts: no other may until `_end`."""
+        """A run(), save(), load(), evaluate() or state_dict() starts: no other may until
+        `_end`, nor a call of another trainer on the same model, whose modules both would
+        swap their weights into (the embedding's and head's, `Kernels.pre`): each then
+        computed with the other's weights now and then, and trained wrong."""
+        model = self.parts.model
+        holder = vars(model).get(_USER)
+        other = holder() if holder is not None else None
+        # (a copy of the model made meanwhile, copy.deepcopy, copied the mark too)
+        if other is not None and other is not self and other.parts.model is model and other._running \
+                and not other._closed:
+            raise SnakeError(
+                f"{self._calling}: the model is in use by another SnakeTrainer's {other._doing}(), which swaps its "
+                "weights into the model's modules as it computes; give each trainer its own model "
+                "(copy.deepcopy(model)), or await (or close) the other trainer's call first"
+            )
+        vars(model)[_USER] = weakref.ref(self)  # taken off at `_end`: a model pickles without it
         self._running = True
+        self._doing = self._calling
         self._task = asyncio.current_task()
 
     def _end(self) -> None:
         self._running = False
         self._task = None
+        self._release_model()
+
+    def _release_model(self) -> None:
+        users = vars(self.parts.model)
+        holder = users.get(_USER)
+        if holder is not None and holder() is self:
+            del users[_USER]
 
     async def _flush(self, what: str) -> None:
         """Apply the pending delayed optimizer steps (state_dict, save). They update the CPU
@@ -464,7 +500,6 @@ class SnakeTrainer:
             raise
         self.engine = engine
         self.config = cfg
-        self._loop = asyncio.get_running_loop()
         stop = threading.Event()
         try:
             await run_blocking(engine.executors["io"], engine.load_initial_weights, stop, on_cancel=stop.set)
@@ -589,6 +624,41 @@ class SnakeTrainer:
         if lock is not None:
             lock.release()
 
+
+
+async def _cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` and wait until it is done. A task of another event loop (the trainer's
+    calls made from a loop in another thread, its close() from the service's) is cancelled
+    in its own loop, thread-safely (`Task.cancel` is not; and its done-callbacks run there,
+    so `asyncio.wait` here was never woken: close() hung); one whose loop has stopped or
+    closed never runs again and is not waited for (`close()` raised "Event loop is closed"
+    and left the threads, files and lock): the shutdown joins its blocking work's threads."""
+    home = task.get_loop()
+    if home is asyncio.get_running_loop():
+        task.cancel()
+        await asyncio.wait([task])
+        return
+    here = asyncio.get_running_loop()
+    done = here.create_future()
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def wake(_: object) -> None:
+        if not here.is_closed():
+            here.call_soon_threadsafe(finish)
+
+    def cancel() -> None:
+        task.cancel()
+        task.add_done_callback(wake)
+
+    try:
+        home.call_soon_threadsafe(cancel)
+    except RuntimeError:  # its loop is closed
+        return
+    while not done.done() and home.is_running():
+        await asyncio.wait([done], timeout=0.05)
 
 
 def _check_stop(stop: threading.Event) -> None:
