@@ -364,7 +364,7 @@ class SnakeTrainer:
         buffers and stores."""
         if self._running:
             raise SnakeError(f"{what}: a run(), save(), load(), evaluate() or state_dict() of this trainer is in "
-                             f"progress (a {self._doing}() now); await it first")
+                             f"progress ({self._doing}() now); await it first")
 
     def _begin(self) -> None:
         """A run(), save(), load(), evaluate() or state_dict() starts: no other may until

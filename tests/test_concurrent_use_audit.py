@@ -125,12 +125,12 @@ async def test_a_refusal_names_the_call_in_progress(tmp_path):
     try:
         running = asyncio.create_task(t.run(3))
         await asyncio.sleep(0)  # it has begun, setting up
-        with pytest.raises(SnakeError, match=r"load: .* in progress \(a run\(\) now\)"):
+        with pytest.raises(SnakeError, match=r"load: .* in progress \(run\(\) now\)"):
             await t.load(tmp_path / "ck")
         await asyncio.wait_for(running, 30)
         evaluating = asyncio.create_task(t.evaluate(batches(2, 4)))
         await asyncio.sleep(0)
-        with pytest.raises(SnakeError, match=r"save: .* in progress \(a evaluate\(\) now\)"):
+        with pytest.raises(SnakeError, match=r"save: .* in progress \(evaluate\(\) now\)"):
             await t.save(tmp_path / "ck")
         await asyncio.wait_for(evaluating, 30)
     finally:
