@@ -41,6 +41,8 @@ from snake.optim import biases_and_norms
 
 if TYPE_CHECKING:
     from snake.models import GPTConfig
+    from snake.trace import Tracer
+    from snake.trainer import SnakeTrainer
 
 HOLDOUT = 0.05  # the corpus' tail that `snake train` never trains on
 
@@ -429,48 +431,11 @@ async def _train_run(
     val: dict[str, float] = {}
     out = Path(args.out)
     async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
-        if args.resume:  # its step, weights, optimizer state, RNG and place in the data
-            await trainer.load(args.resume)
-        if held:
-            val["before"] = (await trainer.evaluate(held)).loss
-        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
-        links: dict[str, str] = {}
-        skipped = [0]  # steps a dynamic loss scale skipped (an overflow)
-
-        def on_step(s) -> None:  # type: ignore[no-untyped-def]
-            steps.append({"step": s.step, "loss": s.loss, "seconds": s.seconds, "tokens": s.tokens, "lr": s.lr,
-                          "grad_norm": json_float(s.grad_norm), "loss_scale": s.loss_scale, "skipped": s.skipped})
-            if len(steps) % 10 == 1:  # bandwidth per tier link, from the trace
-                for link, v in trainer.trace.summary()["links"].items():
-                    links[link] = f"{v['avg_bytes_per_s'] / 2**20:.0f}MiB/s"
-            info = {"loss": f"{s.loss:.4f}", "tok/s": f"{s.tokens / s.seconds:.0f}", **links}
-            if config.optimizer.lr_schedule is not None:
-                info["lr"] = f"{s.lr:.2e}"
-            if s.grad_norm is not None:
-                info["gnorm"] = f"{s.grad_norm:.3f}"
-            if s.loss_scale is not None:
-                info["scale"] = f"{s.loss_scale:g}"
-                skipped[0] += s.skipped
-                if skipped[0]:
-                    info["skipped"] = str(skipped[0])
-            bar.set_postfix(info, refresh=False)
-            bar.update(1)
-
-        wall, done = 0.0, 0
         try:
-            while done < args.steps:  # in pieces of --save-every steps, a checkpoint after each but the last
-                n = min(args.save_every or args.steps, args.steps - done)
-                t0 = time.perf_counter()
-                await trainer.run(n, on_step=on_step)
-                wall += time.perf_counter() - t0
-                done += n
-                if done < args.steps:
-                    await trainer.save(args.checkpoint)
-        finally:
-            bar.close()
-        trained = trainer.trace.now()
-        if held:
-            val["after"] = (await trainer.evaluate(held)).loss
+            wall, trained = await _train_steps(trainer, args, config, held, val, steps)
+        except BaseException as exc:  # failed or interrupted: its trace tells what it was doing
+            _save_trace_of_stopped_run(trainer.trace, out, steps, exc)
+            raise
         trainer.trace.save(out / "trace.json")
         spans = list(trainer.trace.spans)
         # the timeline's window: the last steps, not the evaluation after them
@@ -480,20 +445,102 @@ async def _train_run(
             "model": asdict(mcfg),
             "config": _config_dict(config),
             "steps": steps,
-            "wall_seconds": wall,
+            "wall_seconds": wall,  # of the runs, their setup included
             "tokens_per_s": sum(s["tokens"] for s in steps) / wall,
+            "data_wait_s": sum(s["data_wait_s"] for s in steps),  # steps waiting for their batch
             "traffic_last_step": {"/".join(k): v for k, v in trainer.traffic().items()},
             "trace_summary": trainer.trace.summary(),
-            "val_loss": val,  # on --eval-batches batches of the held-out text, before and after training
+            # on --eval-batches batches of the held-out text, before and after training
+            "val_loss": {k: json_float(v) for k, v in val.items()},
         }
-        (out / "report.json").write_text(json.dumps(report_json, indent=2))
+        (out / "report.json").write_text(json.dumps(report_json, indent=2, allow_nan=False))
         if args.checkpoint:
             await trainer.save(args.checkpoint)
             print(f"checkpoint: {args.checkpoint} (snake export {args.checkpoint} --hf DIR)")
     held_out = f"; held-out loss {val['before']:.4f} -> {val['after']:.4f}" if val else ""
-    print(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} in {wall:.1f} s{held_out}; "
+    print(f"loss {float(steps[0]['loss']):.4f} -> {float(steps[-1]['loss']):.4f} in {wall:.1f} s{held_out}; "
           f"wrote trace.json, report.json, timeline.png to {out}")
     return 0
+
+
+async def _train_steps(
+    trainer: SnakeTrainer, args: argparse.Namespace, config: SnakeConfig, held: list, val: dict[str, float],
+    steps: list[dict],
+) -> tuple[float, float]:
+    """The trainer's work in `snake train`: resume, evaluate, train --steps steps (with the
+    progress bar, a checkpoint every --save-every), evaluate. Returns the runs' wall seconds
+    and the trace's clock at the end of training (before the evaluation after it)."""
+    if args.resume:  # its step, weights, optimizer state, RNG and place in the data
+        await trainer.load(args.resume)
+    if held:
+        val["before"] = (await trainer.evaluate(held)).loss
+    bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+    links: dict[str, str] = {}
+    skipped = [0]  # steps a dynamic loss scale skipped (an overflow)
+
+    def on_step(s) -> None:  # type: ignore[no-untyped-def]
+        # a step's seconds: its wall time, the wait for its batch (data_wait_s) included
+        steps.append({"step": s.step, "loss": json_float(s.loss), "seconds": s.seconds,
+                      "data_wait_s": s.data_wait_s, "tokens": s.tokens, "lr": s.lr,
+                      "grad_norm": json_float(s.grad_norm), "loss_scale": json_float(s.loss_scale),
+                      "skipped": s.skipped})
+        if len(steps) % 10 == 1:  # bandwidth per tier link, from the trace
+            for link, v in trainer.trace.summary()["links"].items():
+                links[link] = f"{v['avg_bytes_per_s'] / 2**20:.0f}MiB/s"
+        info = {"loss": f"{s.loss:.4f}", "tok/s": f"{s.tokens / s.seconds:.0f}", **links}
+        if s.data_wait_s > 0.05 * s.seconds:  # input-bound: the step waited for its batch
+            info["data wait"] = f"{s.data_wait_s / s.seconds:.0%}"
+        if config.optimizer.lr_schedule is not None:
+            info["lr"] = f"{s.lr:.2e}"
+        if s.grad_norm is not None:
+            info["gnorm"] = f"{s.grad_norm:.3f}"
+        if s.loss_scale is not None:
+            info["scale"] = f"{s.loss_scale:g}"
+            skipped[0] += s.skipped
+            if skipped[0]:
+                info["skipped"] = str(skipped[0])
+        bar.set_postfix(info, refresh=False)
+        bar.update(1)
+
+    wall, done = 0.0, 0
+    try:
+        while done < args.steps:  # in pieces of --save-every steps, a checkpoint after each but the last
+            n = min(args.save_every or args.steps, args.steps - done)
+            t0 = time.perf_counter()
+            await trainer.run(n, on_step=on_step)
+            wall += time.perf_counter() - t0
+            done += n
+            if done < args.steps:
+                await trainer.save(args.checkpoint)
+    finally:
+        bar.close()
+    trained = trainer.trace.now()
+    if held:
+        val["after"] = (await trainer.evaluate(held)).loss
+    return wall, trained
+
+
+def _save_trace_of_stopped_run(trace: Tracer, out: Path, steps: list[dict], exc: BaseException) -> None:
+    """Write trace.json and timeline.png of a run that failed or was interrupted, and say so
+    on stderr. A failure here is said in one line; the caller re-raises the run's error."""
+    from snake.timeline import plot_timeline
+
+    how = "interrupted" if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt) else "failed"
+    spans = list(trace.spans)
+    if not spans:
+        return  # it stopped before anything was traced
+    wrote = []
+    try:
+        trace.save(out / "trace.json")
+        wrote.append("trace.json")
+        plot_timeline(spans, out / "timeline.png", window_s=_window(steps), dropped=trace.recorded - len(spans))
+        wrote.append("timeline.png")
+    except Exception as e:  # said, not raised: the run's own error is the one to raise
+        print(f"snake train: could not save the {how} run's {'timeline.png' if wrote else 'trace.json'} to "
+              f"{out}: {type(e).__name__}: {e}", file=sys.stderr)
+    if wrote:
+        print(f"snake train: the run {'was interrupted' if how == 'interrupted' else how} after {len(steps)} "
+              f"steps; wrote its {' and '.join(wrote)} to {out}", file=sys.stderr)
 
 
 def _window(steps: list[dict]) -> float | None:

@@ -191,6 +191,8 @@ async def _traced(e: Engine, actor: str, label: str, executor: str, fn: Callable
         return await run_blocking(e.executors[executor], fn, *args)
     finally:
         e.tracer.add(actor, label, start, e.tracer.now(), link=link, bytes=nbytes)
+        if link is not None:  # moved as well as copied, as training's Traffic counts it
+            e.tracer.moved(link, nbytes)
 
 
 async def _first(trainer: SnakeTrainer, e: Engine, item: Any) -> _Batch:
@@ -250,11 +252,17 @@ async def _one_pass(e: Engine, group: list[_Batch]) -> list[tuple[float, int]]:
 async def _load_traced(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None) -> torch.Tensor:
     times: list[tuple[str, float, float, str, int]] = []
     try:
-        return await run_blocking(e.executors["io"], _load, e, layer, slot, buf, times)
+        params = await run_blocking(e.executors["io"], _load, e, layer, slot, buf, times)
     finally:
+        # each copy is moved too (the link's totals: moved >= copied, as in training); not
+        # the training step's Traffic, which counts per iteration (`trainer.traffic()`)
         for actor, start, end, link, nbytes in times:
             e.tracer.add(actor, f"eval {'read' if actor == 'ssd_read' else 'param'} L{layer}", start, end,
                          link=link, bytes=nbytes)
+            e.tracer.moved(link, nbytes)
+    if not any(actor == "h2d" for actor, *_ in times):  # used in place (a CPU device): moved, not copied
+        e.tracer.moved("cpu->gpu", e.layer_P[layer] * e.stores["param"].esize)
+    return params
 
 
 class _Arena:

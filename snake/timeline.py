@@ -19,6 +19,7 @@ COLORS = {
     "opt": "#ccb974",
     "adamw": "#8c8c8c",
     "batch": "#bbbbbb",
+    "next(data)": "#e7298a",  # the wait for the user's data to give the next batch
     "eval": "#bcbd22",  # evaluate's loads and layers (snake.evaluate)
 }
 OTHER = "#999999"  # a span whose name has no colour of its own ("loss", "resident step")

@@ -171,7 +171,8 @@ class Tracer:
         return out
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.chrome()))
+        """Write the trace as strict JSON (a non-finite number, which JSON has not, raises)."""
+        Path(path).write_text(json.dumps(self.chrome(), allow_nan=False))
 
     def summary(self) -> dict[str, Any]:
         return summarize([], totals=self.totals(), event_loop=self.event_loop(), threads=self.threads())

@@ -1,17 +1,27 @@
 """An audit of the trace tools as a user meets them: `snake trace plot` of spans whose names
 have no colour of their own, trace files that are cut short or not snake's (each refused
 in one line naming the event and field), and a summary whose wall time is the run's even
-when the span that ended last was not kept."""
+when the span that ended last was not kept. Beyond the trace module: evaluate()'s loads
+counted as moved (a link's copied bytes never exceed its moved ones), `snake train`'s trace
+of a run that failed or was interrupted, and report.json as strict JSON when the loss is nan."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import os
+import re
+import signal
 
 import pytest
 
+from snake import Placement, SnakeConfig, SnakeTrainer
 from snake.cli import main
+from snake.errors import ActorFailed
 from snake.timeline import plot_timeline
 from snake.trace import Span, Tracer, load_trace, summarize
+from tests.helpers import batches, tiny_gpt
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -130,3 +140,126 @@ def test_plot_timeline_names_unknown_spans_other(tmp_path, monkeypatch):
     spans = [Span("compute", "fwd L0", 0.0, 1.0), Span("compute", "loss", 1.0, 1.1)]
     plot_timeline(spans, tmp_path / "t.png")
     assert labels == ["fwd", "other"]
+
+
+async def _eval_link_growth(tmp_path, param: float) -> dict[str, tuple[float, float]]:
+    """Per link, the (moved, copied) bytes one evaluation of 2 passes added to the summary."""
+    cfg = SnakeConfig(micro_batches=2, placement=Placement(param=param, ckpt=0.5, opt=0.5), alpha=0.0,
+                      device="cpu", offload_dir=tmp_path / str(param))
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=batches(1, 4), config=cfg) as t:
+        await asyncio.wait_for(t.run(1), 60)
+        before = t.trace.summary()["links"]
+        await asyncio.wait_for(t.evaluate(batches(2, 4, seed=2), batches_per_pass=1), 60)
+        after = t.trace.summary()["links"]
+    for v in after.values():
+        assert v["copied_bytes"] <= v["bytes"]
+    zero = {"bytes": 0.0, "copied_bytes": 0.0}
+    return {k: (v["bytes"] - before.get(k, zero)["bytes"], v["copied_bytes"] - before.get(k, zero)["copied_bytes"])
+            for k, v in after.items()}
+
+
+@pytest.mark.asyncio
+async def test_evaluate_counts_the_bytes_it_moves(tmp_path):
+    """evaluate()'s loads were traced as copies but not counted as moved: after `snake train`
+    with its evaluations, cpu->gpu had 12.7 MiB moved and 14.7 MiB copied. Each load is moved
+    as training counts it: what it copies, and on a CPU device also a layer used in place."""
+    ssd = await _eval_link_growth(tmp_path, 0.5)  # the layers' SSD parts: read, then copied
+    assert ssd["ssd->cpu"][0] == ssd["ssd->cpu"][1] > 0
+    assert ssd["cpu->gpu"][0] == ssd["cpu->gpu"][1] > 0
+    cpu = await _eval_link_growth(tmp_path, 1.0)  # all in CPU memory: used in place, no copy
+    assert cpu["cpu->gpu"][1] == 0
+    assert cpu["cpu->gpu"][0] == ssd["cpu->gpu"][0]  # the same layers crossed the link
+
+
+SMALL = ["--layers", "2", "--embd", "32", "--heads", "2", "--seq", "16", "--batch", "4", "--micro-batches", "2"]
+
+
+def _train(tmp_path, *argv: str) -> int:
+    return main(["train", *SMALL, "--eval-batches", "0", "--out", str(tmp_path / "out"),
+                 "--offload-dir", str(tmp_path / "off"), *argv])
+
+
+def _data_then(monkeypatch, then, at: int = 10) -> None:  # type: ignore[no-untyped-def]
+    """`snake train`'s data calls `then()` before its batch `at`: the data actor runs at most a
+    few batches (its mailbox's depth, 4 here) ahead of the compute actor, so by then the
+    first steps are done."""
+    import snake.corpus
+
+    real = snake.corpus.random_windows
+
+    def windows(*args, **kwargs):  # type: ignore[no-untyped-def]
+        for i, item in enumerate(real(*args, **kwargs)):
+            if i == at:
+                then()
+            yield item
+
+    monkeypatch.setattr(snake.corpus, "random_windows", windows)
+
+
+def _sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_run_that_fails_writes_its_trace(tmp_path, capsys, monkeypatch):
+    """A failed run wrote no trace.json: the one file that says what it was doing."""
+
+    def broken() -> None:
+        raise RuntimeError("the loader's disk went away")
+
+    _data_then(monkeypatch, broken)
+    with pytest.raises(ActorFailed, match="the loader's disk went away"):
+        _train(tmp_path, "--steps", "20")
+    err = capsys.readouterr().err
+    out = tmp_path / "out"
+    assert re.search(rf"snake train: the run failed after \d+ steps; wrote its trace.json and timeline.png to {out}",
+                     err), err
+    spans, _ = load_trace(out / "trace.json")
+    assert any(s.name.startswith("fwd") for s in spans) and any(s.actor == "data" for s in spans)
+    assert (out / "timeline.png").read_bytes()[:8] == PNG
+    assert not (out / "report.json").exists()
+
+
+def test_an_interrupted_run_writes_its_trace_and_exits(tmp_path, capsys, monkeypatch):
+    """SIGTERM (or Ctrl-C) mid-run: the trace is written, said before the one line that
+    says the run was interrupted, and the command ends at once (not after 10,000 steps)."""
+    _data_then(monkeypatch, _sigterm)
+    assert _train(tmp_path, "--steps", "10000") == 143
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"snake train: interrupted \(SIGTERM\) after \d+ steps", lines[-1]), lines
+    assert re.fullmatch(r"snake train: the run was interrupted after \d+ steps; wrote its trace.json and "
+                        rf"timeline.png to {tmp_path / 'out'}", lines[-2]), lines
+    spans, _ = load_trace(tmp_path / "out" / "trace.json")
+    assert any(s.name.startswith("fwd") for s in spans)
+
+
+def test_a_trace_that_cannot_be_saved_does_not_hide_why_the_run_stopped(tmp_path, capsys, monkeypatch):
+    def full(self, path):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Tracer, "save", full)
+    _data_then(monkeypatch, _sigterm)
+    assert _train(tmp_path, "--steps", "10000") == 143
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"snake train: interrupted \(SIGTERM\) after \d+ steps", lines[-1]), lines
+    assert lines[-2].startswith("snake train: could not save the interrupted run's trace.json to "), lines
+    assert "No space left on device" in lines[-2] and "Traceback" not in "\n".join(lines)
+
+
+def test_report_json_is_strict_json_when_the_loss_is_nan(tmp_path):
+    """`--lr 1e6` makes the loss nan: report.json said `"loss": NaN`, which strict JSON
+    readers (JavaScript's JSON.parse, jq) refuse; now "nan", as grad_norm is written."""
+    assert _train(tmp_path, "--steps", "6", "--lr", "1e6", "--eval-batches", "1") == 0
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} in report.json")
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text(), parse_constant=refuse)
+    assert report["steps"][-1]["loss"] == "nan" and report["val_loss"]["after"] == "nan"
+    json.loads((tmp_path / "out" / "trace.json").read_text(), parse_constant=refuse)
+
+
+def test_a_trace_is_saved_as_strict_json(tmp_path):
+    t = Tracer()
+    t.add("compute", "fwd L0", 0.0, math.nan)
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        t.save(tmp_path / "t.json")

@@ -108,6 +108,8 @@ class _StageRun:
 class StepReport:
     step: int
     loss: float
+    # wall time from the end of the step before (the start of the run for its first) to this
+    # step's end, the wait for its batch included: over a run they add up to its wall time
     seconds: float
     tokens: int
     lr: float  # the optimizer's rate for this step (`AdamW.lr_at`)
@@ -119,6 +121,9 @@ class StepReport:
     # a dynamic loss scale's overflow: no parameter was stepped (as GradScaler.step skips
     # optimizer.step()); the learning-rate schedule counted the step all the same
     skipped: bool = False
+    # of `seconds`, the time the compute actor waited for this step's batch (the data actor
+    # reads a few ahead, so ~0 unless the data is slower than the steps: an input-bound run)
+    data_wait_s: float = 0.0
 
 
 class Compute(Actor):
@@ -160,10 +165,12 @@ class Compute(Actor):
 
     async def run(self) -> None:
         e = self.e
+        t0 = time.perf_counter()  # the step's start: the run's, then the step before's end
         for t in self.iterations:
             self.at(t)
+            waited = time.perf_counter()
             batch: BatchReady = await self.inbox.take(("batch", t))
-            t0 = time.perf_counter()
+            waited = time.perf_counter() - waited
             losses: list[torch.Tensor] = []
             box: _Box | None = None  # the output the stage before kept on the device
             ahead: _StageRun | None = None  # the next stage, its first job maybe already queued
@@ -203,10 +210,12 @@ class Compute(Actor):
                 e.traffic.add(t, "cpu", "ssd", "opt", moved // 2)
             loss = await self._k("loss", _total, losses)
             scale = e.clip.scales[t] if e.scaler is not None and e.clip is not None else e.kernels.scale
-            report = StepReport(t, loss, time.perf_counter() - t0, batch.tokens, e.config.optimizer.lr_at(t + 1),
+            end = time.perf_counter()
+            report = StepReport(t, loss, end - t0, batch.tokens, e.config.optimizer.lr_at(t + 1),
                                 None if e.clip is None else e.clip.totals[t],
                                 scale if e.config.dtype == "float16" else None,
-                                e.clip is not None and e.clip.skips[t])
+                                e.clip is not None and e.clip.skips[t], waited)
+            t0 = end  # on_step's time is the next step's: the steps' seconds add up to the run's
             self.reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)

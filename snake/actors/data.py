@@ -3,7 +3,7 @@ and hands them to compute one iteration ahead.
 
 | consumes  | the user's iterable / async iterable                                   |
 | produces  | BatchReady -> compute                                                  |
-| waits for | the next item (sync iterators on the data executor)                    |
+| waits for | the next item (traced `next(data)`; sync iterators on the data thread) |
 | unblocked | by compute taking batches (its mailbox is bounded)                     |
 """
 
@@ -45,11 +45,14 @@ class DataFeeder(Actor):
         ex = self.e.executors["data"]
         for t in self.iterations:
             self.at(t)
-            self.busy = ("next(data)", self.tracer.now())  # the stall watchdog names a slow source
+            label, start = f"next(data) {t}", self.tracer.now()
+            self.busy = (label, start)  # the stall watchdog names a slow source
             try:
                 item = await self.source.next(ex)
             finally:
                 self.busy = None
+                # a span like any work: a slow source shows on the data track, not as idle
+                self.tracer.add(self.name, label, start, self.tracer.now())
             split = functools.partial(
                 split_batch,
                 item,
