@@ -415,10 +415,12 @@ class Kernels:
         p, f = self.kind_params[kind], self.kind_frozen[kind]
         if not f:
             return []
-        if slot.numel() >= p + f:
+        host = self.frozen_host[layer]
+        if host is not None and self.device.type == "cpu":
+            flat = host  # nothing to copy to a CPU device (`DeviceMover._params`)
+        elif slot.numel() >= p + f:
             flat = slot[p : p + f]
         else:
-            host = self.frozen_host[layer]
             assert host is not None
             flat = host
         return [v.view(s) for v, s in zip(flat.split(self.kind_frozen_numels[kind]), self.kind_frozen_shapes[kind],

@@ -139,6 +139,12 @@ async def test_frozen_layer_weights_stream_from_a_mapped_file_of_snakes(tmp_path
         for host in kernels.frozen_host:
             assert host is not None and host.dtype == torch.float32
             assert any(lo <= host.data_ptr() < hi for lo, hi in maps)
+        # the CPU device reads them where they are mapped: a layer's load copies its trained
+        # parameters alone (half of them on the SSD here: no view of the store)
+        await trainer.evaluate(data[:1])  # and so does an evaluation's
+        for name in ("param L", "eval param L"):
+            loads = [s for s in trainer.trace.spans if s.name.startswith(name) and s.link == "cpu->gpu"]
+            assert loads and {s.nbytes for s in loads} == {trainer.engine.layer_P[0] * 4}, name
     assert_matches(got, want)
     frozen = [p for n, p in layer_params(streamed).items() if "mlp" in n]
     assert frozen and all(p.is_meta == (load_dtype == "bfloat16") for p in frozen)

@@ -114,9 +114,9 @@ class HostToDevice(Actor):
                     pairs.append((slot[off + u.k : off + n], store.tail(u, msg.buf)[0]))
                 off += n
             frozen = e.kernels.frozen_host[layer]
-            if frozen is not None:  # the layer's streamed frozen parameters, after its trained ones
-                pairs.append((slot[off : off + frozen.numel()], frozen))
-                off += frozen.numel()
+            if frozen is not None and e.device.type != "cpu":  # the layer's streamed frozen parameters, after
+                pairs.append((slot[off : off + frozen.numel()], frozen))  # its trained ones (a CPU device
+                off += frozen.numel()  # reads them where they are: `Kernels.frozen_views`)
             nbytes = off * store.esize
             try:
                 await e.link_wait("cpu->gpu", nbytes)
