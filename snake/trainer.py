@@ -78,8 +78,9 @@ def _releasing(method: Callable[Concatenate[Any, P], Awaitable[R]]) -> Callable[
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
-    """steps[i]: .loss (mean over the global batch), .seconds, .tokens, .lr (the rate it stepped with),
-    .grad_norm, .loss_scale and .skipped (float16's loss scale; `StepReport`)."""
+    """steps[i]: .loss (mean over the global batch), .seconds (wall time, the wait for its batch
+    included), .data_wait_s (that wait), .tokens, .lr (the rate it stepped with), .grad_norm,
+    .loss_scale and .skipped (float16's loss scale; `StepReport`)."""
 
     steps: list[StepReport]
     traffic: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -91,6 +92,12 @@ class RunReport:
     @property
     def tokens_per_s(self) -> float:
         return sum(s.tokens for s in self.steps) / max(self.seconds, 1e-12)
+
+    @property
+    def data_wait_s(self) -> float:
+        """The part of `seconds` the steps waited for their batches: near 0 unless the data
+        is slower than training."""
+        return sum(s.data_wait_s for s in self.steps)
 
 
 class SnakeTrainer:

@@ -65,4 +65,5 @@ async def test_step_seconds_are_wall_time_with_the_wait_for_data(tmp_path):
     # wait is longer than the step
     assert report.steps[0].data_wait_s >= 0.8 * SLEEP_S
     assert all(0 <= s.data_wait_s <= s.seconds for s in report.steps)
+    assert report.data_wait_s == sum(s.data_wait_s for s in report.steps) >= 0.8 * SLEEP_S
 
