@@ -131,6 +131,9 @@ async def run_iterations(
     on_step: Callable[[StepReport], None] | None = None,
 ) -> list[StepReport]:
     iterations = range(engine.next_t, engine.next_t + steps)
+    # pre/post train (their dropout on) as the layers' shells do, whatever mode the user's
+    # model was put in since the last run (`Kernels.restore_modes` gives theirs back at close)
+    engine.kernels.parts.model.train()
     reports: list[StepReport] = []
     actors, mailboxes = build_actors(engine, source, iterations, reports, vocab=vocab, on_step=on_step)
     for a in actors:

@@ -239,3 +239,25 @@ def test_an_interrupt_in_the_users_code_comes_once_from_run_after_it_stopped(tmp
         loop.close()
     assert [type(e) for e in raised] == [exc]
     assert stopped and not left and _lock_free(off)
+
+
+@pytest.mark.asyncio
+async def test_the_models_mode_set_between_runs_does_not_change_training(tmp_path):
+    """A user who puts the model in eval mode between runs (to look at it in PyTorch): the
+    next run trains as one without it. The engine set training mode once, at setup, so the
+    embedding's dropout stayed off from then on while the layers' stayed on."""
+    data = batches(3, 4)
+
+    async def two_runs(directory, between) -> dict[str, torch.Tensor]:
+        model = tiny_gpt(n_layer=2, dropout=0.2)
+        async with SnakeTrainer(model, data=data, config=config(directory)) as t:
+            await t.run(1)
+            between(model)
+            await t.run(2)
+            return await t.state_dict()
+
+    _assert_equal(await two_runs(tmp_path / "a", lambda m: m.eval()), await two_runs(tmp_path / "b", _nothing))
+
+
+def _nothing(model) -> None:
+    pass
