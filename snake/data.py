@@ -17,6 +17,22 @@ from snake.errors import DataError
 _END = object()
 
 
+@dataclass(frozen=True, slots=True)
+class _Interrupt:
+    """A KeyboardInterrupt or SystemExit an async iterator's `__anext__` raised: returned by
+    its task, since asyncio lets one raised in a task out of the event loop at once, before
+    the trainer has stopped (`run()` raises it once, after)."""
+
+    exc: BaseException
+
+
+async def _anext(aiter: AsyncIterator[Any]) -> Any:
+    try:
+        return await anext(aiter, _END)
+    except (KeyboardInterrupt, SystemExit) as e:
+        return _Interrupt(e)
+
+
 class DataSource:
     """One iterator over `data`, kept across `run()` calls. Sync iterators are advanced on
     an executor thread (a DataLoader may block); async ones on the loop.
@@ -55,7 +71,7 @@ class DataSource:
             if pending is not None and pending.get_loop() is not asyncio.get_running_loop():
                 pending = self._adopt(pending)
             if pending is None and self._aiter is not None:
-                pending = self._pending = asyncio.ensure_future(anext(self._aiter, _END))
+                pending = self._pending = asyncio.ensure_future(_anext(self._aiter))
                 pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
             elif pending is None:
                 assert self._iter is not None
@@ -68,6 +84,8 @@ class DataSource:
                     self._pending = None  # it failed: nothing to hand out later
                 raise  # else it runs on, or holds a batch: the next call hands that out
             self._pending = None
+            if isinstance(item, _Interrupt):
+                raise item.exc  # here, in the data actor's task, which carries it to run()
             self._taken += 1
         if item is _END:
             raise DataError(

@@ -200,11 +200,19 @@ class _Raising:
             yield item
 
 
-@pytest.mark.parametrize("where", ["on_step", "next"])
+class _RaisingAsync(_Raising):
+    """The same as an async iterable (its __anext__ runs as a task of snake's own)."""
+
+    async def __aiter__(self):
+        for item in self:
+            yield item
+
+
+@pytest.mark.parametrize("where", ["on_step", "next", "anext"])
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
 def test_an_interrupt_in_the_users_code_comes_once_from_run_after_it_stopped(tmp_path, where, exc):
-    """KeyboardInterrupt or SystemExit from on_step or the data's next() came out of the
-    loop first from snake's actor task, before the trainer shut down, then again from run()'s
+    """KeyboardInterrupt or SystemExit from on_step or the data's next() (or an async
+    iterator's __anext__) came out of the loop first from snake's actor task, before the trainer shut down, then again from run()'s
     task, out of whatever the loop ran next: the user's close() after catching it was
     interrupted by a second one."""
     off = tmp_path / "off"
@@ -213,8 +221,9 @@ def test_an_interrupt_in_the_users_code_comes_once_from_run_after_it_stopped(tmp
     def on_step(report):
         raise exc("stop")
 
-    t = SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=_Raising(data, 2, exc("stop")) if where == "next" else data,
-                     config=config(off))
+    given = {"next": _Raising, "anext": _RaisingAsync}
+    t = SnakeTrainer(tiny_gpt(n_layer=2, bias=False),
+                     data=given[where](data, 2, exc("stop")) if where in given else data, config=config(off))
     loop = asyncio.new_event_loop()
     raised: list[BaseException] = []
     try:
