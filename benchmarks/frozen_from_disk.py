@@ -5,6 +5,7 @@ of a layer (`planner.model.vertical_phases(frozen_from_disk=True)`).
 
     sudo python benchmarks/frozen_from_disk.py [--steps 6]   # ~5 min; root and a cgroup v1 memory controller
     sudo python benchmarks/frozen_from_disk.py --base REV [--pairs 3]   # and the limited run A/B against REV
+    sudo python benchmarks/frozen_from_disk.py --base REV --no-limit   # the A/B without a limit
 
 Saves `stream_memory.py`'s Llama (12 layers of width 1024, bf16 safetensors) and trains it as
 `stream_memory.py --frozen` does (loaded with `stream_hf` in float32, every layer parameter
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--room", type=int, default=64, help="MiB over the free run's anonymous peak (the limit)")
     ap.add_argument("--base", default=None, help="also run the limited run from this git revision, alternating")
     ap.add_argument("--pairs", type=int, default=3, help="limited runs from each tree with --base")
+    ap.add_argument("--no-limit", action="store_true", help="with --base: the pairs run without a limit")
+    ap.add_argument("--name", default="frozen_from_disk", help="results/<name>.json")
     args = ap.parse_args()
     if not (CGROUP / "memory.limit_in_bytes").exists():
         raise SystemExit(f"needs a cgroup v1 memory controller at {CGROUP} (and root)")
@@ -99,6 +102,9 @@ def main() -> None:
         report("no limit", free)
         limit = int((free["anon_peak_mib"] + args.room) * 2**20)
         limited = f"limit {limit / 2**20:.0f} MiB"
+        pair_limit: int | None = limit
+        if args.no_limit:
+            pair_limit, limited = None, "no limit"
         ratios = []
         if args.base is None:
             report(limited, run_limited(argv(1), limit, "frozen-limited"))
@@ -107,7 +113,8 @@ def main() -> None:
                 for i in range(args.pairs):  # alternating, the base first in even pairs
                     order = [("base", tree), ("this", ROOT)] if i % 2 == 0 else [("this", ROOT), ("base", tree)]
                     got = {who: report(f"{limited}, {who if who == 'this' else base}",
-                                       run_limited(argv(2 + 2 * i + (who == "this"), t), limit, "frozen-limited", t))
+                                       run_limited(argv(2 + 2 * i + (who == "this"), t), pair_limit, "frozen-limited",
+                                                   t))
                            for who, t in order}
                     if got["this"] and got["base"]:
                         ratios.append(got["this"] / got["base"])
@@ -117,7 +124,7 @@ def main() -> None:
                       f"{[round(r, 3) for r in ratios]}", flush=True)
     result = {"machine": machine(), "args": vars(args), "limit": limit, "predicted": pred, "runs": runs,
               "ratios_this_over_base": ratios}
-    print(f"saved {save('frozen_from_disk', result)}")
+    print(f"saved {save(args.name, result)}")
 
 
 if __name__ == "__main__":
