@@ -230,7 +230,10 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
     # the built-in GPT by its config (fresh blocks are timed, as `snake plan` does); any other
     # model (Hugging Face, ModelParts) by its own blocks, embedding and head
     what: GPTConfig | ModelParts = model.config if isinstance(model, GPT) else trainer.parts
-    b, t = int(first[0].shape[0]), int(first[0].shape[1])
+    from snake.data import pair_of
+
+    shape_in = pair_of(first)[0].shape
+    b, t = int(shape_in[0]), int(shape_in[1])
     import torch
 
     rng = torch.get_rng_state()  # the probes draw random inputs: the user's stream stays as it was

@@ -165,6 +165,79 @@ class Vocab:
     targets: int | None = None
 
 
+HF_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def pair_of(item: Any) -> tuple[Any, Any]:
+    """(inputs, targets) of one batch: a pair as it is, or a Hugging Face batch (a mapping of
+    `HF_KEYS`, as a DataCollatorForLanguageModeling(mlm=False) makes) as the pair its causal
+    LM loss trains on: the input_ids, and the labels shifted one to the left (the label of
+    the token after each; the last position's -100), the padding's labels -100 where there
+    are none. Its loss, the mean over the global batch's labels that are not -100, is then
+    the model's own (`model(**batch).loss` over the whole global batch). Snake feeds the
+    model no attention mask: the same for padding on the right, which causal attention
+    never lets a real token see; padding on the left is refused."""
+    if isinstance(item, Mapping):
+        return _hf_pair(item)
+    if not isinstance(item, tuple | list) or len(item) != 2:
+        raise DataError(
+            f"data: each batch must be a pair (inputs, targets) or a mapping with input_ids (and labels, "
+            f"attention_mask) as Hugging Face's collators give, got {type(item).__name__}"
+        )
+    return item[0], item[1]
+
+
+def _hf_pair(batch: Mapping[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = [str(k) for k in batch]
+    extra = [k for k in keys if k not in HF_KEYS]
+    if extra:
+        hint = " (the tokenizer's return_token_type_ids=False leaves it out)" if extra[0] == "token_type_ids" else ""
+        raise DataError(
+            f"data: a batch's {extra[0]!r} is not one snake gives the model: it feeds input_ids alone, at positions "
+            f"0..seq-1, and trains on labels (and attention_mask's padding); leave {extra[0]!r} out of the "
+            f"batch{hint}"
+        )
+    if "input_ids" not in batch:
+        raise DataError(f"data: a batch given as a mapping needs 'input_ids' (and may have 'labels' and "
+                        f"'attention_mask'), got {keys}")
+    ids, labels, mask = (batch.get(k) for k in HF_KEYS)
+    for name, x in (("input_ids", ids), ("labels", labels), ("attention_mask", mask)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise DataError(f"data: batch[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
+    assert isinstance(ids, torch.Tensor)
+    if ids.dim() != 2:
+        raise DataError(f"data: batch['input_ids'] must have shape (batch, seq), got {tuple(ids.shape)}")
+    for name, x in (("labels", labels), ("attention_mask", mask)):
+        if x is not None and x.shape != ids.shape:
+            raise DataError(f"data: batch[{name!r}] has shape {tuple(x.shape)}, input_ids {tuple(ids.shape)}: they "
+                            "must be the same")
+    if labels is not None and labels.dtype != torch.long:
+        raise DataError(f"data: batch['labels'] must be int64 token ids (torch.long), got {labels.dtype}; convert "
+                        "them with .long()")
+    if mask is not None:
+        if mask.is_floating_point() or mask.is_complex() or ((mask != 0) & (mask != 1)).any():
+            raise DataError("data: batch['attention_mask'] must hold 0 (padding) and 1 (a token), as integers or "
+                            "bools")
+        real = mask.bool()
+        if (real[:, 1:] & ~real[:, :-1]).any():
+            raise DataError(
+                "data: batch['attention_mask'] pads on the left (a 0 before a 1 in a row); snake gives the model no "
+                "mask, which is the same only for padding on the right: set tokenizer.padding_side = 'right'"
+            )
+        if labels is None:
+            labels = ids.long().masked_fill(~real, IGNORE_INDEX)
+        elif (labels[~real] != IGNORE_INDEX).any():
+            raise DataError(
+                "data: batch['labels'] trains on padding (labels that are not -100 where attention_mask is 0), "
+                "which snake would compute without the mask; set them to -100, as DataCollatorForLanguageModeling "
+                "does"
+            )
+    elif labels is None:
+        labels = ids.long()
+    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return ids, torch.cat([labels[:, 1:], pad], dim=1)
+
+
 def split_batch(
     item: Any,
     *,
@@ -176,9 +249,7 @@ def split_batch(
     """Validate one global batch and split it: (inputs per micro-batch, targets per
     micro-batch, target tokens, targets trained on where some are IGNORE_INDEX, else None).
     Raises DataError naming what is wrong."""
-    if not isinstance(item, tuple | list) or len(item) != 2:
-        raise DataError(f"data: each batch must be a pair (inputs, targets), got {type(item).__name__}")
-    inputs, targets = item
+    inputs, targets = pair_of(item)
     for name, x in (("inputs", inputs), ("targets", targets)):
         if not isinstance(x, torch.Tensor):
             raise DataError(f"data: batch {name} must be a torch.Tensor, got {type(x).__name__}")

@@ -32,7 +32,7 @@ from snake.adapters import (
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
-from snake.data import DataSource, Vocab, split_batch
+from snake.data import DataSource, Vocab, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, release_frames
@@ -490,7 +490,7 @@ class SnakeTrainer:
         built = asyncio.get_running_loop().run_in_executor(
             data_ex,
             lambda: Engine(
-                self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=first[0].shape,
+                self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=pair_of(first)[0].shape,
                 offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex, stop=build_stop,
             ),
         )
@@ -550,7 +550,8 @@ class SnakeTrainer:
 
         assert cfg.micro_batches is not None and cfg.placement is not None and cfg.alpha is not None
         m, p = cfg.micro_batches, cfg.placement
-        b, seq = int(first[0].shape[0]), int(first[0].shape[1])
+        shape_in = pair_of(first)[0].shape
+        b, seq = int(shape_in[0]), int(shape_in[1])
         shape = shape_of_parts(self.parts, b // m, seq, cfg.dtype)
         kind = self.device.type
         in_memory = memory_fs(self.offload_dir) is not None  # its "SSD" tier is memory too
