@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from snake.errors import SnakeError
 
@@ -270,15 +271,40 @@ def _export_merged(checkpoint: str | Path, manifest: dict[str, Any], masters: di
     active = [a for a in record.get("active") or [] if a in held]
     if not active:
         raise SnakeError(f"export --hf: {checkpoint} records no active adapter to merge; export them with --peft")
+    _untie_adapted_head(model.get_base_model())
     merged = model.merge_and_unload(adapter_names=active)
     return export_hf(merged.state_dict(), merged, out)
+
+
+def _untie_adapted_head(model: Any) -> None:
+    """Give a head tied to the embedding a weight of its own where an adapter wraps either
+    (LoRA on embed_tokens or lm_head), and the config untied: the trained model computed the
+    other with the base weight, which merged into the shared one would take the adapter's
+    change too (the logits of a LoRA on a tied embed_tokens were 0.3 off)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb, head = (get() if callable(get) else None for get in (get_in, get_out))
+    if not isinstance(emb, nn.Module) or not isinstance(head, nn.Module):
+        return
+    if not any(isinstance(m, BaseTunerLayer) for m in (emb, head)):
+        return
+    base_head = head.get_base_layer() if isinstance(head, BaseTunerLayer) else head
+    base_emb = emb.get_base_layer() if isinstance(emb, BaseTunerLayer) else emb
+    weight, shared = getattr(base_head, "weight", None), getattr(base_emb, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not isinstance(shared, torch.Tensor) or shared is not weight:
+        return
+    base_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
 
 
 def export_checkpoint_peft(checkpoint: str | Path, out: str | Path) -> Path:
     """Blocking: write the adapters of `checkpoint` (a PEFT model's: its trained fp32 master
     weights) as PEFT's `save_pretrained` does, adapter_config.json and
-    adapter_model.safetensors in `out` (another adapter in `out/NAME`), which
-    `PeftModel.from_pretrained(base_model, out)` loads. The base is built on the meta device
+    adapter_model.safetensors in `out` for an adapter named "default", in `out/NAME` for
+    another (as PEFT does), which `PeftModel.from_pretrained(base_model, DIR)` loads.
+    Returns the directory of the first adapter, the active one. The base is built on the meta device
     from the recorded config: nothing of it is read or written (not even a resized embedding,
     which PEFT's save_pretrained may add: save such a model in the process that trains it)."""
     manifest, masters = read_masters(checkpoint)
@@ -291,6 +317,9 @@ def export_checkpoint_peft(checkpoint: str | Path, out: str | Path) -> Path:
     # the adapters alone: the base's embedding is not saved, nor is the base looked up on the
     # Hub (PEFT's "auto" does, to see if the vocabulary was resized)
     model.save_pretrained(str(path), selected_adapters=held, save_embedding_layers=False)
-    if not (path / "adapter_config.json").is_file():
-        raise SnakeError(f"export --peft: PEFT's save_pretrained wrote no adapter_config.json in {str(path)!r}")
-    return path
+    # PEFT writes the adapter named "default" in `out`, any other in `out/NAME`: the
+    # directory returned is the first (active) adapter's
+    first = path if held[0] == "default" else path / held[0]
+    if not (first / "adapter_config.json").is_file():
+        raise SnakeError(f"export --peft: PEFT's save_pretrained wrote no adapter_config.json in {str(first)!r}")
+    return first
