@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,7 @@ def _peft_model(checkpoint: str | Path, manifest: dict[str, Any], masters: dict[
     operation errors name."""
     from peft import get_peft_model
     from peft.config import PeftConfig
+    from peft.utils import get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from snake.hf import causal_lm_class
@@ -207,7 +209,9 @@ def _peft_model(checkpoint: str | Path, manifest: dict[str, Any], masters: dict[
     try:
         hf_config = AutoConfig.for_model(model_type, **config)
         cls = causal_lm_class(hf_config)
-        with torch.device("meta") if meta else contextlib.nullcontext():
+        # (PEFT reads a flag transformers 5 deprecates: its FutureWarning is not the user's)
+        with torch.device("meta") if meta else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             base = cls.from_config(hf_config) if cls is AutoModelForCausalLM else cls._from_config(hf_config)
             names = iter(configs)
             first = next(names)
@@ -234,8 +238,13 @@ def _peft_model(checkpoint: str | Path, manifest: dict[str, Any], masters: dict[
     for name in configs:
         # the recorded base (get_peft_model took the name of the model built here)
         model.peft_config[name].base_model_name_or_path = recorded[name].get("base_model_name_or_path")
-        values = [k for k, _ in inner.named_parameters() if name in k.split(".")]
-        empty = [k for k in values if k not in masters]
+        if meta:  # what PEFT saves of it (not a frozen part it rebuilds, AdaLoRA's ranknum): on
+            # the meta device where the checkpoint holds no value
+            saved = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
+            values, empty = list(saved), [k for k, v in saved.items() if v.is_meta]
+        else:
+            values = [k for k, _ in inner.named_parameters() if name in k.split(".")]
+            empty = [k for k in values if k not in masters]
         if not empty:
             held.append(name)
         elif len(configs) == 1 or len(empty) < len(values):

@@ -75,3 +75,24 @@ async def test_the_one_trained_adapter_not_named_default_exports_to_its_own_dire
     x = data[0][0]
     with torch.no_grad():
         torch.testing.assert_close(again.eval()(x).logits, model.eval()(x).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_adalora_adapters_export_from_a_checkpoint_without_the_frozen_parameters(tmp_path):
+    """AdaLoRA's frozen rank count (ranknum) is not saved by PEFT (it rebuilds it from the
+    config) nor by a checkpoint saved without the frozen parameters (save's default for a
+    PEFT model): the export refused it, "the checkpoint is not of this model"."""
+    from peft import AdaLoraConfig
+
+    base = make("llama")
+    config = AdaLoraConfig(init_r=4, target_r=2, lora_alpha=8, target_modules=["q_proj"], total_step=10,
+                           task_type="CAUSAL_LM")
+    model = get_peft_model(copy.deepcopy(base), config)
+    data = batches(1, 4, seq=16, vocab=VOCAB)
+    await trained(model, data, tmp_path)
+    out = tmp_path / "adapter"
+    assert main(["export", str(tmp_path / "ckpt"), "--peft", str(out)]) == 0
+    again = PeftModel.from_pretrained(base, str(out))
+    x = data[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(x).logits, model.eval()(x).logits, rtol=0, atol=1e-6)
