@@ -8,7 +8,9 @@
    holds them on the device in fp32 while the frozen bf16 base weights stream),
 3. train with `SnakeTrainer`, checking the held-out loss between runs and saving an atomic
    checkpoint (resume with `trainer.load`),
-4. write the trained adapters with PEFT's own `save_pretrained`, and load them back.
+4. write the trained adapters with PEFT's own `save_pretrained`, and load them back; the
+   checkpoint's adapters go to PEFT's format too, as `snake export CKPT --peft DIR` writes
+   them from a shell (no process of the training needed).
 
     python examples/lora_finetune.py MODEL_DIR OUT_DIR [--steps 20] [--stream]
     python examples/lora_finetune.py --demo OUT_DIR        # a tiny Llama made here (no download)
@@ -96,7 +98,12 @@ async def finetune(model_dir: Path, out: Path, steps: int, *, lr: float = 3e-3,
         loss = sum(torch.nn.functional.cross_entropy(again.eval()(x).logits.float().flatten(0, 1), y.flatten())
                    for x, y in held_out) / len(held_out)
     assert abs(float(loss) - after) < 0.02, (float(loss), after)
-    print(f"held-out loss {before:.4f} -> {after:.4f}; adapters in {out / 'adapter'}")
+    # the mid-run checkpoint's adapters, as `snake export out/ckpt --peft out/adapter-half` writes them
+    from snake.export import export_checkpoint_peft
+
+    export_checkpoint_peft(out / "ckpt", out / "adapter-half")
+    print(f"held-out loss {before:.4f} -> {after:.4f}; adapters in {out / 'adapter'} (step {half}'s in "
+          f"{out / 'adapter-half'})")
     return {"before": before, "after": after}
 
 

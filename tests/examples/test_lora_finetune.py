@@ -15,4 +15,5 @@ async def test_the_lora_example_fine_tunes_and_saves_the_adapters(tmp_path, caps
     assert losses["after"] < losses["before"] - 0.02
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "out" / "ckpt" / "manifest.json").is_file()
+    assert (tmp_path / "out" / "adapter-half" / "adapter_model.safetensors").is_file()
     assert "held-out loss" in capsys.readouterr().out
