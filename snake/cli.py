@@ -299,7 +299,9 @@ def _check_export_dir(text: str, option: str = "--hf", marker: str = "config.jso
         raise ConfigError(option, text, "is empty", fix)
     if path.exists() and not path.is_dir():
         raise ConfigError(option, text, "exists and is not a directory", fix)
-    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+    # PEFT writes an adapter not named "default" into DIR/NAME
+    ours = (path / marker).is_file() or (option == "--peft" and any((d / marker).is_file() for d in path.glob("*/")))
+    if path.is_dir() and any(path.iterdir()) and not ours:
         # save_pretrained writes its config and *.safetensors over what is there
         raise ConfigError(option, text, f"is a directory with files but no {marker} (not a {what} "
                           "directory), which the export would write its files into", fix)

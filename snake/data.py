@@ -207,6 +207,9 @@ def _hf_pair(batch: Mapping[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     assert isinstance(ids, torch.Tensor)
     if ids.dim() != 2:
         raise DataError(f"data: batch['input_ids'] must have shape (batch, seq), got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.long, torch.int32):
+        raise DataError(f"data: batch['input_ids'] must be integer token ids (int64 or int32), got {ids.dtype}; "
+                        "convert them with .long()")
     for name, x in (("labels", labels), ("attention_mask", mask)):
         if x is not None and x.shape != ids.shape:
             raise DataError(f"data: batch[{name!r}] has shape {tuple(x.shape)}, input_ids {tuple(ids.shape)}: they "

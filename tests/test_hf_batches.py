@@ -87,8 +87,9 @@ async def test_collated_batches_train_as_the_pairs_they_stand_for_and_with_the_m
     ({"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4, dtype=torch.int32)}, ".long()"),
     ({"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.full((2, 4), 2)}, "must hold 0"),
     ({"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}, "must hold 0"),
+    ({"input_ids": torch.ones(2, 4)}, "batch['input_ids'] must be integer token ids"),
 ], ids=["left-padding", "token-type-ids", "position-ids", "labels-on-padding", "no-input-ids", "not-a-tensor",
-        "one-dim", "labels-shape", "labels-int32", "mask-values", "mask-float"])
+        "one-dim", "labels-shape", "labels-int32", "mask-values", "mask-float", "ids-float"])
 def test_what_snake_would_train_differently_is_refused_by_name(tmp_path, batch, says):
     """Before anything is set up: the first batch is checked when the trainer's first run()
     reads it, and nothing is left in the offload_dir."""

@@ -71,6 +71,8 @@ async def test_the_one_trained_adapter_not_named_default_exports_to_its_own_dire
     out = tmp_path / "adapters"
     assert main(["export", str(tmp_path / "ckpt"), "--peft", str(out)]) == 0
     assert f"wrote {out / 'second'} " in capsys.readouterr().out
+    # and again into the same directory: PEFT's layout of it, not another's files
+    assert main(["export", str(tmp_path / "ckpt"), "--peft", str(out)]) == 0
     again = PeftModel.from_pretrained(base, str(out / "second"), adapter_name="second")
     x = data[0][0]
     with torch.no_grad():
