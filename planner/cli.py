@@ -26,7 +26,6 @@ import math
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -147,30 +146,10 @@ class HFModel:
         stay in float32, which snake holds with the embedding and head rather than streams."""
         if self.lora is None:
             return model
-        try:
-            import peft
-        except ImportError as e:
-            raise ConfigError("--lora", self.lora, "needs PEFT, which is not installed", "pip install peft") from e
         from snake.kernels import TORCH_DTYPES
+        from snake.train_source import with_lora
 
-        model = model.to(TORCH_DTYPES[self.dtype])
-        targets = self.lora_targets
-        config = peft.LoraConfig(r=self.lora, target_modules="all-linear" if targets == ("all-linear",) else list(targets))
-        try:
-            with warnings.catch_warnings():
-                # PEFT reads a flag transformers 5 renamed; and says its own defaults' patterns
-                # for other models' modules matched none here
-                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-                warnings.filterwarnings("ignore", ".*did not match any targeted module", RuntimeWarning)
-                base = peft.get_peft_model(model, config).get_base_model()
-        except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError("--lora-targets", ",".join(targets), f"cannot take LoRA adapters: {e}",
-                              "name linear modules of the model's layers, e.g. q_proj,v_proj, or all-linear") from None
-        if any(type(m).__name__ == "ParamWrapper" for m in base.modules()):  # PEFT's target_parameters
-            raise ConfigError("--lora-targets", ",".join(targets), "makes PEFT adapt this model's fused experts as "
-                              "parameters (target_parameters), which snake does not train",
-                              "name the modules, e.g. --lora-targets q_proj,k_proj,v_proj,o_proj")
-        return base
+        return with_lora(model.to(TORCH_DTYPES[self.dtype]), self.lora, self.lora_targets)
 
     def sample(self) -> tuple[Any, list[int] | None]:
         """(ModelParts of the model cut to its first layers, fresh weights: what the probes

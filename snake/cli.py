@@ -40,8 +40,8 @@ from snake.offload_dir import scratch_parent
 from snake.optim import biases_and_norms
 
 if TYPE_CHECKING:
-    from snake.models import GPTConfig
     from snake.trace import Tracer
+    from snake.train_source import Subject
     from snake.trainer import SnakeTrainer
 
 HOLDOUT = 0.05  # the corpus' tail that `snake train` never trains on
@@ -91,11 +91,23 @@ def _seed(text: str) -> int:
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the built-in GPT on text shipped with Python (no download)")
+    p = sub.add_parser("train", help="train the built-in GPT on text shipped with Python (no download), or a "
+                                     "Hugging Face model (--model hf:DIR)")
     p.add_argument("--steps", type=positive_int, default=60)
-    p.add_argument("--layers", type=positive_int, default=6)
-    p.add_argument("--embd", type=positive_int, default=192)
-    p.add_argument("--heads", type=positive_int, default=6)
+    p.add_argument("--model", type=_hf_dir, default=None, metavar="hf:DIR",
+                   help="a local Hugging Face model directory (config.json, safetensors, tokenizer) to train instead "
+                        "of the built-in GPT, on its tokenizer's ids of the text")
+    p.add_argument("--stream", action="store_true",
+                   help="with --model: leave the layers' weights in their files (snake.hf.stream_hf)")
+    p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
+                   help="with --model: train PEFT's LoRA adapters of this rank, the base frozen")
+    p.add_argument("--lora-targets", type=_names, default=None, metavar="NAMES",
+                   help="the modules --lora adapts, comma-separated (default: all-linear)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="train on this UTF-8 text (default: the Python documentation shipped with Python)")
+    p.add_argument("--layers", type=positive_int, default=None, help="the built-in GPT's layers (default 6)")
+    p.add_argument("--embd", type=positive_int, default=None, help="the built-in GPT's width (default 192)")
+    p.add_argument("--heads", type=positive_int, default=None, help="the built-in GPT's heads (default 6)")
     p.add_argument("--seq", type=positive_int, default=64)
     p.add_argument("--batch", type=positive_int, default=16, help="global batch (sequences)")
     p.add_argument("--micro-batches", type=positive_int, default=4)
@@ -141,6 +153,23 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="validation loss before and after training on N batches of the held-out text (0: none)")
 
 
+def _hf_dir(text: str) -> str:
+    """--model: 'hf:DIR' (DIR checked when the run is set up, with its tokenizer)."""
+    kind, _, rest = text.partition(":")
+    if kind != "hf" or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: give hf:DIR, a local Hugging Face model directory (the built-in "
+                                          "GPT is the default: leave --model out)")
+    return rest
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """--lora-targets: comma-separated module names."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} must be module names separated by commas, each once")
+    return names
+
+
 def _loss_scale(text: str) -> float | str:
     """An argparse type: "dynamic" or a static scale > 0 (--loss-scale)."""
     if text == "dynamic":
@@ -169,13 +198,21 @@ def _placement(text: str) -> Placement:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
+def _check_train_args(args: argparse.Namespace, subject: Subject) -> Subject:
     """What argparse cannot check one option at a time, before anything is built: a
-    ConfigError naming the option."""
+    ConfigError naming the option. Returns `subject` with the built-in GPT where it trains
+    that."""
     from snake.models import GPTConfig
 
-    if args.embd % args.heads:
-        raise ConfigError("--heads", args.heads, f"must divide --embd={args.embd}", "e.g. --embd 192 --heads 6")
+    corpus_len, unit = len(subject.corpus), subject.unit
+    gpt = subject.build is None
+    if gpt:
+        args.layers, args.embd, args.heads = args.layers or 6, args.embd or 192, args.heads or 6
+        if args.embd % args.heads:
+            raise ConfigError("--heads", args.heads, f"must divide --embd={args.embd}", "e.g. --embd 192 --heads 6")
+    elif subject.block_size is not None and args.seq > subject.block_size:
+        raise ConfigError("--seq", args.seq, f"is longer than the model's {subject.block_size} positions "
+                          "(max_position_embeddings)", f"use --seq {subject.block_size} or less")
     if args.loss_scale is not None and args.dtype != "float16":
         raise ConfigError("--loss-scale", args.loss_scale, f"applies to --dtype float16 only, not {args.dtype}",
                           "drop --loss-scale, or add --dtype float16")
@@ -188,21 +225,25 @@ def _check_train_args(args: argparse.Namespace, corpus_len: int) -> GPTConfig:
         )
     longest = int(corpus_len * (1 - HOLDOUT)) - 2
     if args.seq > longest:
-        raise ConfigError("--seq", args.seq, f"is longer than the training text allows ({longest} bytes)", "use a shorter sequence")
+        raise ConfigError("--seq", args.seq, f"is longer than the training text allows ({longest} {unit})",
+                          "use a shorter sequence" + (", or a longer --text" if args.text else ""))
     held = corpus_len - int(corpus_len * (1 - HOLDOUT)) - 1
     if args.eval_batches and args.seq > held:
-        raise ConfigError("--seq", args.seq, f"is longer than the held-out text allows for validation ({held} bytes)",
+        raise ConfigError("--seq", args.seq, f"is longer than the held-out text allows for validation ({held} {unit})",
                           "use a shorter sequence, or --eval-batches 0")
     most = max(1, (held - args.seq + 1) // args.batch)  # batches of windows that each start elsewhere
     if args.eval_batches > most:
         raise ConfigError("--eval-batches", args.eval_batches,
-                          f"is more than the held-out text ({held} bytes) holds in batches of --batch {args.batch} "
-                          f"windows of --seq {args.seq} that each start at another byte ({most})",
+                          f"is more than the held-out text ({held} {unit}) holds in batches of --batch {args.batch} "
+                          f"windows of --seq {args.seq} that each start at another {unit[:-1]} ({most})",
                           f"use --eval-batches {most} or fewer")
+    if not gpt:
+        return subject
     try:
-        return GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
+        config = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256, block_size=args.seq)
     except ValueError as e:  # GPTConfig's own checks
         raise SnakeError(f"--layers/--heads/--embd/--seq do not make a model: {e}") from None
+    return subject.with_gpt(config)
 
 
 def _lr_schedule(args: argparse.Namespace) -> Any:
@@ -368,12 +409,12 @@ def _signals_cancel_this_task() -> Iterator[list[int]]:
                 signal.signal(signum, handler)
 
 
-async def _train(args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor) -> int:
+async def _train(args: argparse.Namespace, subject: Subject, config: SnakeConfig) -> int:
     """The run; _Interrupted when SIGINT or SIGTERM stopped it."""
     steps: list[dict] = []
     with _signals_cancel_this_task() as caught:
         try:
-            return await _train_run(args, mcfg, config, corpus, steps)
+            return await _train_run(args, subject, config, steps)
         except asyncio.CancelledError:
             if not caught:
                 raise
@@ -415,24 +456,27 @@ def _config_dict(config: SnakeConfig) -> dict[str, Any]:
     return out
 
 
-async def _train_run(
-    args: argparse.Namespace, mcfg: GPTConfig, config: SnakeConfig, corpus: torch.Tensor, steps: list[dict]
-) -> int:
+async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeConfig, steps: list[dict]) -> int:
     """Train, appending each step's numbers to `steps`, and write the run's files."""
     from snake.corpus import holdout_windows, random_windows
-    from snake.models import GPT
     from snake.timeline import plot_timeline
     from snake.trainer import SnakeTrainer
 
-    torch.manual_seed(args.seed)
-    print("model:", json.dumps(asdict(mcfg)), f"({mcfg.num_params() / 1e6:.2f} M parameters)")
+    corpus = subject.corpus
+    torch.manual_seed(args.seed)  # the model's fresh weights (a LoRA's adapters) draw from it
+    assert subject.build is not None
+    model = subject.build()
+    params = sum(p.numel() for p in model.parameters())
+    learned = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    count = f"{params / 1e6:.2f} M parameters" + (f", {learned / 1e6:.2f} M trained" if learned < params else "")
+    print("model:", json.dumps(subject.record), f"({count})")
     print("config:", json.dumps(_config_dict(config)))
     data = random_windows(corpus, batch=args.batch, seq=args.seq, seed=args.seed, holdout=HOLDOUT)
     held = (holdout_windows(corpus, batch=args.batch, seq=args.seq, batches=args.eval_batches, holdout=HOLDOUT)
             if args.eval_batches else [])
     val: dict[str, float] = {}
     out = Path(args.out)
-    async with SnakeTrainer(GPT(mcfg), data=data, config=config) as trainer:
+    async with SnakeTrainer(model, data=data, config=config) as trainer:
         try:
             wall, trained = await _train_steps(trainer, args, config, held, val, steps)
         except BaseException as exc:  # failed or interrupted: its trace tells what it was doing
@@ -444,7 +488,7 @@ async def _train_run(
         plot_timeline([s for s in spans if s.start_s < trained], out / "timeline.png", window_s=_window(steps),
                       dropped=trainer.trace.recorded - len(spans))
         report_json = {
-            "model": asdict(mcfg),
+            "model": subject.record,
             "config": _config_dict(config),
             "steps": steps,
             "wall_seconds": wall,  # of the runs, their setup included
@@ -458,7 +502,8 @@ async def _train_run(
         (out / "report.json").write_text(json.dumps(report_json, indent=2, allow_nan=False))
         if args.checkpoint:
             await trainer.save(args.checkpoint)
-            print(f"checkpoint: {args.checkpoint} (snake export {args.checkpoint} --hf DIR)")
+            print(f"checkpoint: {args.checkpoint} (snake export {args.checkpoint} "
+                  f"{'--peft' if subject.peft else '--hf'} DIR)")
     held_out = f"; held-out loss {val['before']:.4f} -> {val['after']:.4f}" if val else ""
     print(f"loss {float(steps[0]['loss']):.4f} -> {float(steps[-1]['loss']):.4f} in {wall:.1f} s{held_out}; "
           f"wrote trace.json, report.json, timeline.png to {out}")
@@ -721,10 +766,9 @@ def _interrupt_setup(signum: int, frame: Any) -> None:
 
 
 def _train_setup_and_run(args: argparse.Namespace) -> int:
-    from snake.corpus import pydoc_bytes
+    from snake.train_source import subject
 
-    corpus = pydoc_bytes()
-    mcfg = _check_train_args(args, len(corpus))
+    chosen = _check_train_args(args, subject(args))
     try:
         import uvloop
 
@@ -741,7 +785,7 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
         if args.resume:
             _check_resume_dir(args.resume)
         _output_dir("--out", args.out)
-        return runner(_train(args, mcfg, config, corpus))
+        return runner(_train(args, chosen, config))
 
 
 if __name__ == "__main__":

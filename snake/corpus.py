@@ -8,11 +8,19 @@ from collections.abc import Iterator
 import torch
 
 
-def pydoc_bytes() -> torch.Tensor:
+def pydoc_text() -> str:
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def text_bytes(text: str) -> torch.Tensor:
+    """`text`'s UTF-8 bytes as int64 ids (vocab 256)."""
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.long)
+
+
+def pydoc_bytes() -> torch.Tensor:
+    return text_bytes(pydoc_text())
 
 
 def random_windows(
