@@ -4,6 +4,7 @@ library ships (`pydoc_data.topics`), as bytes. Byte-level: vocab 256."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -17,6 +18,31 @@ def pydoc_text() -> str:
 def text_bytes(text: str) -> torch.Tensor:
     """`text`'s UTF-8 bytes as int64 ids (vocab 256)."""
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.long)
+
+
+def text_ids(tokenizer: Any, text: str, *, piece_chars: int = 1 << 20, batch: int = 4) -> torch.Tensor:
+    """`text`'s ids by a transformers `tokenizer` (no special tokens added) as int64,
+    tokenized `batch` pieces of about `piece_chars` characters at a time, each cut after a
+    line end (else a space; a text of one piece is tokenized whole): the tokenizer's own
+    output of a whole text (its Python lists, offsets and token strings) takes about 200
+    bytes of memory per byte of text, and a Ctrl-C waits for it. Tokens across a cut may
+    differ from those of the text tokenized whole."""
+    pieces, at = [], 0
+    while at < len(text):
+        end = len(text)
+        for sep in ("\n", " "):
+            cut = text.find(sep, at + piece_chars)
+            if cut >= 0:
+                end = cut + 1
+                break
+        pieces.append(text[at:end])
+        at = end
+    out = [torch.zeros(0, dtype=torch.long)]
+    for i in range(0, len(pieces), batch):
+        ids = tokenizer(pieces[i : i + batch], add_special_tokens=False, return_attention_mask=False,
+                        verbose=False)["input_ids"]
+        out.extend(torch.tensor(x, dtype=torch.long) for x in ids)
+    return torch.cat(out)
 
 
 def pydoc_bytes() -> torch.Tensor:

@@ -107,6 +107,7 @@ def subject(args: argparse.Namespace) -> Subject:
 
 def _hf_subject(args: argparse.Namespace, text: str) -> Subject:
     from planner.cli import parse_model
+    from snake.corpus import text_ids
 
     try:
         model = parse_model(f"hf:{args.model}")
@@ -123,8 +124,7 @@ def _hf_subject(args: argparse.Namespace, text: str) -> Subject:
                           "save the model's tokenizer into it: tokenizer.save_pretrained(DIR)") from None
     with warnings.catch_warnings():  # (a text longer than the model's positions: it is cut into windows)
         warnings.simplefilter("ignore")
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    corpus = torch.tensor(ids, dtype=torch.long)
+        corpus = text_ids(tokenizer, text)
     config = model.config  # type: ignore[union-attr]
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     top = int(corpus.max()) if corpus.numel() else -1
@@ -140,12 +140,17 @@ def _hf_subject(args: argparse.Namespace, text: str) -> Subject:
         with torch.device("meta"):
             with_lora(load_hf(config), lora, targets)
 
+    # a full fine-tune's fp32 masters start from the stored weights: loaded in a compute
+    # dtype they are stored wider than (fp32 weights, --dtype bfloat16) they would start
+    # rounded, so they load in float32 (a float32 model computes in the compute dtype)
+    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")
+    load = args.dtype if lora is not None or stored == args.dtype else "float32"
+
     def build() -> nn.Module:
         from snake.hf import load_hf, stream_hf
         from snake.kernels import TORCH_DTYPES
 
-        dtype = TORCH_DTYPES[args.dtype]
-        base = (stream_hf if args.stream else load_hf)(path, dtype=dtype)
+        base = (stream_hf if args.stream else load_hf)(path, dtype=TORCH_DTYPES[load])
         return base if lora is None else with_lora(base, lora, targets)
 
     record = {"hf": str(path), "model_type": getattr(config, "model_type", None), "stream": bool(args.stream),

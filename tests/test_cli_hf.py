@@ -148,3 +148,46 @@ def test_a_lora_run_resumed_goes_on_as_one_longer_run(tmp_path, model_dir):
     first = losses("first", "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"))
     assert losses("resumed", "--steps", "2", "--resume", str(tmp_path / "ckpt")) == straight[2:]
     assert first == straight[:2]
+
+
+def test_a_full_fine_tune_in_bfloat16_starts_its_fp32_masters_from_the_stored_weights(tmp_path, model_dir):
+    """--dtype bfloat16 computes in bf16 but keeps fp32 masters: of a float32 model directory
+    they are its weights, not their bf16 rounding (a step at lr 0 exports them unchanged)."""
+    from safetensors.torch import load_file
+
+    _train(tmp_path, model_dir, "--dtype", "bfloat16", "--steps", "1", "--lr", "0", "--eval-batches", "0")
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported")]) == 0
+    stored, exported = load_file(str(model_dir / "model.safetensors")), load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert stored.keys() == exported.keys()
+    assert all(torch.equal(stored[k], exported[k]) for k in stored)
+
+
+class _CharTokenizer:
+    """A tokenizer of one id per character that records the texts it is given."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def __call__(self, texts: list[str], **kwargs) -> dict:
+        assert kwargs["add_special_tokens"] is False
+        self.seen.extend(texts)
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+
+def test_a_long_text_is_tokenized_in_pieces_cut_at_line_ends(model_dir):
+    """The tokenizer's output of a whole text takes ~200 bytes per byte of it (a 50 MB
+    --text peaked at 10 GB) and a Ctrl-C waits for it: it gets pieces cut after a line end
+    (else a space), a few at a time, and their ids are the text's, in order."""
+    from transformers import AutoTokenizer
+
+    from snake.corpus import pydoc_text, text_ids
+
+    text = "".join(f"line {i} " + "x" * (i % 7) + "\n" for i in range(300)) + "one last line without its end " * 5
+    fake = _CharTokenizer()
+    ids = text_ids(fake, text, piece_chars=100, batch=3)
+    assert ids.dtype == torch.long and ids.tolist() == [ord(c) for c in text]
+    assert len(fake.seen) > 10 and all(len(p) <= 130 for p in fake.seen)
+    assert all(p.endswith("\n") for p in fake.seen[:-3]) and fake.seen[-2].endswith(" ")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))  # a text of one piece: as tokenized whole
+    whole = tokenizer(pydoc_text()[:5000], add_special_tokens=False)["input_ids"]
+    assert text_ids(tokenizer, pydoc_text()[:5000]).tolist() == whole
