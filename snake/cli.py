@@ -294,15 +294,25 @@ def _output_dir(option: str, text: str) -> Path:
     return path
 
 
-def _check_resume_dir(text: str) -> None:
-    """Refuse now a --resume path that holds no checkpoint (load() checks the rest: the model
-    options and the files against their digests)."""
+def _check_resume_dir(text: str, lora: int | None = None) -> None:
+    """Refuse now a --resume path that holds no checkpoint, or one of another --lora rank
+    (load() checks the rest: the model options and the files against their digests)."""
     from snake.checkpoint import MANIFEST
 
     path = Path(text).expanduser()
     if not (path / MANIFEST).is_file():
         raise ConfigError("--resume", text, f"is not a snake checkpoint (no {MANIFEST} in it)",
                           "pass a directory that --checkpoint wrote")
+    try:  # a LoRA's rank, or none: load() would say it of a tensor's name, once the model is built
+        peft: dict[str, Any] = json.loads((path / MANIFEST).read_text()).get("peft") or {}
+        configs: dict[str, Any] = peft.get("configs") or {}
+        rank = next(iter(configs.values()), {}).get("r")
+    except (OSError, ValueError, AttributeError):
+        return  # load() says what is wrong with it
+    if rank != lora:
+        saved = f"a LoRA of rank {rank}" if rank is not None else "a fine-tune without LoRA adapters"
+        raise ConfigError("--lora", lora, f"does not match the --resume checkpoint, {saved}",
+                          f"give --lora {rank} (and its --lora-targets)" if rank is not None else "leave --lora out")
 
 
 def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
@@ -783,7 +793,7 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
         if args.checkpoint:
             _check_checkpoint_dir(args.checkpoint, str(offload_dir), args.out)
         if args.resume:
-            _check_resume_dir(args.resume)
+            _check_resume_dir(args.resume, args.lora)
         _output_dir("--out", args.out)
         return runner(_train(args, chosen, config))
 

@@ -191,3 +191,17 @@ def test_a_long_text_is_tokenized_in_pieces_cut_at_line_ends(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))  # a text of one piece: as tokenized whole
     whole = tokenizer(pydoc_text()[:5000], add_special_tokens=False)["input_ids"]
     assert text_ids(tokenizer, pydoc_text()[:5000]).tolist() == whole
+
+
+def test_a_lora_checkpoint_resumed_without_its_rank_is_refused_naming_lora(tmp_path, model_dir, capsys):
+    """load() would refuse it once the model is built, naming a tensor ('lm_head.weight=None
+    is trained but frozen in the checkpoint'); the checkpoint's rank is read first."""
+    _train(tmp_path, model_dir, "--lora", "4", "--steps", "1", "--eval-batches", "0")
+    capsys.readouterr()
+    for more, fix in (([], "give --lora 4"), (["--lora", "8"], "give --lora 4")):
+        argv = ["train", "--model", f"hf:{model_dir}", *SMALL, "--resume", str(tmp_path / "ckpt"),
+                "--out", str(tmp_path / "again"), "--offload-dir", str(tmp_path / "off2"), *more]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--lora" in err and fix in err and "trained but frozen" not in err
+        assert not (tmp_path / "again").exists()
