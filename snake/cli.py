@@ -306,7 +306,7 @@ def _check_resume_dir(text: str, lora: int | None = None) -> None:
     try:  # a LoRA's rank, or none: load() would say it of a tensor's name, once the model is built
         peft: dict[str, Any] = json.loads((path / MANIFEST).read_text()).get("peft") or {}
         configs: dict[str, Any] = peft.get("configs") or {}
-        rank = next(iter(configs.values()), {}).get("r")
+        rank = next((c.get("r") for c in configs.values()), None)
     except (OSError, ValueError, AttributeError):
         return  # load() says what is wrong with it
     if rank != lora:
