@@ -478,7 +478,7 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
     model = subject.build()
     params = sum(p.numel() for p in model.parameters())
     learned = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    count = f"{params / 1e6:.2f} M parameters" + (f", {learned / 1e6:.2f} M trained" if learned < params else "")
+    count = f"{_millions(params)} parameters" + (f", {_millions(learned)} trained" if learned < params else "")
     print("model:", json.dumps(subject.record), f"({count})")
     print("config:", json.dumps(_config_dict(config)))
     data = random_windows(corpus, batch=args.batch, seq=args.seq, seed=args.seed, holdout=HOLDOUT)
@@ -518,6 +518,11 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
     print(f"loss {float(steps[0]['loss']):.4f} -> {float(steps[-1]['loss']):.4f} in {wall:.1f} s{held_out}; "
           f"wrote trace.json, report.json, timeline.png to {out}")
     return 0
+
+
+def _millions(n: int) -> str:
+    """A parameter count in millions, with the digits a small one needs (a LoRA's 8 K: 0.008 M)."""
+    return f"{n / 1e6:.2f} M" if n >= 10**5 or n == 0 else f"{n / 1e6:.2g} M"
 
 
 async def _train_steps(

@@ -108,7 +108,26 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
                 f"builds it as {tuple(ours[key].shape)}; was its manifest.json edited? Export in the process that "
                 "trained it with snake.hf.export_hf(await trainer.state_dict(), model, out)"
             )
-    return export_hf(sd, model, out)
+    return _with_tokenizer(export_hf(sd, model, out), manifest)
+
+
+def _with_tokenizer(out: Path, manifest: dict[str, Any]) -> Path:
+    """The tokenizer of the directory the model was loaded from (its config's
+    `_name_or_path`, where that is a local directory that has one) saved beside the exported
+    weights, so that the export is a model directory to use or train again as it is; none
+    where there is none (logged)."""
+    source = (manifest.get("model_config") or {}).get("_name_or_path")
+    if not isinstance(source, str) or not source or not Path(source).is_dir():
+        return out
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers' and the tokenizer libraries' own kinds
+        log.info("export: no tokenizer of %s copied (%s)", source, type(e).__name__)
+        return out
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
 def _model_and_state(checkpoint: str | Path, kind: str, config: dict[str, Any],
@@ -282,7 +301,7 @@ def _export_merged(checkpoint: str | Path, manifest: dict[str, Any], masters: di
         raise SnakeError(f"export --hf: {checkpoint} records no active adapter to merge; export them with --peft")
     _untie_adapted_head(model.get_base_model())
     merged = model.merge_and_unload(adapter_names=active)
-    return export_hf(merged.state_dict(), merged, out)
+    return _with_tokenizer(export_hf(merged.state_dict(), merged, out), manifest)
 
 
 def _untie_adapted_head(model: Any) -> None:

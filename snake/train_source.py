@@ -72,6 +72,8 @@ def with_lora(model: nn.Module, rank: int, targets: tuple[str, ...]) -> nn.Modul
             # for other models' modules matched none here
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             warnings.filterwarnings("ignore", ".*did not match any targeted module", RuntimeWarning)
+            # (GPT-2's Conv1D: PEFT sets the flag itself, as it says)
+            warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)
             base = peft.get_peft_model(model, config).get_base_model()
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError("--lora-targets", ",".join(targets), f"cannot take LoRA adapters: {e}",

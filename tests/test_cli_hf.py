@@ -74,6 +74,12 @@ def test_a_hf_model_trains_on_its_tokenizers_ids_and_exports(tmp_path, model_dir
     assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported")]) == 0
     trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     assert not torch.equal(trained.lm_head.weight, model.lm_head.weight)
+    # the source's tokenizer beside the weights: the export is a model directory to train again
+    text = "def snake(): return 42"
+    assert (AutoTokenizer.from_pretrained(str(tmp_path / "exported"))(text)["input_ids"]
+            == AutoTokenizer.from_pretrained(str(model_dir))(text)["input_ids"])
+    assert main(["train", "--model", f"hf:{tmp_path / 'exported'}", *SMALL, "--steps", "1", "--eval-batches", "0",
+                 "--out", str(tmp_path / "again"), "--offload-dir", str(tmp_path / "off-again")]) == 0
 
 
 def test_a_lora_of_a_streamed_hf_model_trains_and_exports_its_adapters(tmp_path, model_dir, capsys):
@@ -86,7 +92,7 @@ def test_a_lora_of_a_streamed_hf_model_trains_and_exports_its_adapters(tmp_path,
     report = _train(tmp_path, model_dir, "--stream", "--lora", "4", "--lora-targets", "q_proj,v_proj")
     assert report["model"]["stream"] and report["model"]["lora"] == {"r": 4, "target_modules": ["q_proj", "v_proj"]}
     out = capsys.readouterr().out
-    assert "M trained" in out and "--peft DIR" in out
+    assert "M trained" in out and "0.00 M trained" not in out and "--peft DIR" in out
     assert main(["export", str(tmp_path / "ckpt"), "--peft", str(tmp_path / "adapter")]) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
