@@ -211,3 +211,20 @@ def test_a_lora_checkpoint_resumed_without_its_rank_is_refused_naming_lora(tmp_p
         err = capsys.readouterr().err
         assert "--lora" in err and fix in err and "trained but frozen" not in err
         assert not (tmp_path / "again").exists()
+
+
+def test_a_lora_of_gpt2s_conv1d_layers_says_nothing_of_peft_setting_its_own_flag():
+    """GPT-2's Conv1D: PEFT sets fan_in_fan_out itself and warns that it did, which `snake
+    train --model` printed twice (the meta-device check, then the build)."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from snake.train_source import with_lora
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        base = with_lora(model, 2, ("c_attn",))
+    assert not [w for w in seen if "fan_in_fan_out" in str(w.message)]
+    assert any("lora_A" in n for n, _ in base.named_parameters())
