@@ -110,9 +110,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=positive_int, default=None, help="the built-in GPT's heads (default 6)")
     p.add_argument("--seq", type=positive_int, default=64)
     p.add_argument("--batch", type=positive_int, default=16, help="global batch (sequences)")
-    p.add_argument("--micro-batches", type=positive_int, default=4)
-    p.add_argument("--placement", type=_placement, default="0.5,0.5,0.5",
-                   help="CPU shares param,ckpt,opt[,grad] (rest on SSD; grad: the delayed gradients, default 1)")
+    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--placement", type=_placement, default=None,
+                   help="CPU shares param,ckpt,opt[,grad] (rest on SSD; grad: the delayed gradients, default 1; "
+                        "default 0.5,0.5,0.5)")
+    p.add_argument("--plan", action="store_true",
+                   help="let the planner pick --placement, --alpha and --micro-batches for this machine and "
+                        "--batch (it profiles the machine first: seconds; cached in --offload-dir)")
     p.add_argument("--alpha", type=float, default=None,
                    help="delayed share of each optimizer step (default 0.25; 1.0 with a finite --max-grad-norm "
                         "or a dynamic --loss-scale)")
@@ -218,7 +222,16 @@ def _check_train_args(args: argparse.Namespace, subject: Subject) -> Subject:
                           "drop --loss-scale, or add --dtype float16")
     if args.save_every and not args.checkpoint:
         raise ConfigError("--save-every", args.save_every, "needs --checkpoint DIR to save to", "add --checkpoint DIR")
-    if args.batch % args.micro_batches:
+    if args.plan:
+        given = [f for f, v in (("--placement", args.placement), ("--alpha", args.alpha),
+                                ("--micro-batches", args.micro_batches)) if v is not None]
+        if given:
+            raise ConfigError(given[0], getattr(args, given[0][2:].replace("-", "_")),
+                              "is what --plan picks", f"leave {given[0]} out, or drop --plan")
+    else:
+        args.placement = args.placement or Placement(param=0.5, ckpt=0.5, opt=0.5)
+        args.micro_batches = args.micro_batches or 4
+    if args.micro_batches is not None and args.batch % args.micro_batches:
         raise ConfigError(
             "--batch", args.batch, f"is not divisible by --micro-batches={args.micro_batches}",
             "use a batch that is a multiple of the micro-batches",
@@ -270,7 +283,8 @@ def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
     waits = dynamic or args.max_grad_norm not in (None, math.inf)  # every step needs the whole gradient
     return SnakeConfig(
         micro_batches=args.micro_batches, offload_dir=offload_dir, placement=args.placement,
-        alpha=args.alpha if args.alpha is not None else 1.0 if waits else 0.25,
+        # --plan: the three None, which the trainer's first run plans
+        alpha=None if args.plan else args.alpha if args.alpha is not None else 1.0 if waits else 0.25,
         loss_scale=DynamicLossScale() if dynamic else args.loss_scale or 1024.0,
         optimizer=AdamW(lr=args.lr, weight_decay=0.1, lr_schedule=_lr_schedule(args), max_grad_norm=args.max_grad_norm,
                         no_decay=biases_and_norms if args.no_decay_norms else None),
@@ -499,7 +513,7 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
                       dropped=trainer.trace.recorded - len(spans))
         report_json = {
             "model": subject.record,
-            "config": _config_dict(config),
+            "config": _config_dict(trainer.config),  # what --plan picked too
             "steps": steps,
             "wall_seconds": wall,  # of the runs, their setup included
             "tokens_per_s": sum(s["tokens"] for s in steps) / wall,

@@ -252,3 +252,18 @@ def test_train_without_an_offload_dir_puts_its_temporary_one_where_scratch_paren
     used = json.loads((out / "report.json").read_text())["config"]["offload_dir"]
     assert used.startswith(str(parent) + "/snake-offload-")
     assert not list(parent.iterdir())
+
+
+def test_train_with_plan_lets_the_planner_pick_and_reports_what_it_picked(tmp_path, capsys):
+    """--plan: placement, alpha and micro-batches are the planner's (SnakeConfig's None), and
+    report.json says what it picked; one of them given beside --plan is refused by name."""
+    out = tmp_path / "out"
+    small = ["--layers", "2", "--embd", "64", "--heads", "2", "--seq", "32", "--batch", "4", "--eval-batches", "0"]
+    assert main(["train", "--steps", "2", "--plan", "--out", str(out), "--offload-dir", str(tmp_path / "off"),
+                 *small]) == 0
+    config = json.loads((out / "report.json").read_text())["config"]
+    assert config["micro_batches"] in (1, 2, 4) and config["alpha"] is not None
+    assert set(config["placement"]) >= {"param", "ckpt", "opt"}
+    capsys.readouterr()
+    assert main(["train", "--plan", "--micro-batches", "2", "--out", str(tmp_path / "o2"), *small]) == 2
+    assert "--micro-batches" in capsys.readouterr().err and not (tmp_path / "o2").exists()

@@ -214,7 +214,10 @@ def test_a_run_that_fails_writes_its_trace(tmp_path, capsys, monkeypatch):
     assert re.search(rf"snake train: the run failed after \d+ steps; wrote its trace.json and timeline.png to {out}",
                      err), err
     spans, _ = load_trace(out / "trace.json")
-    assert any(s.name.startswith("fwd") for s in spans) and any(s.actor == "data" for s in spans)
+    # (one run of the suite under -n 2 found no span it looked for here, which reruns did not
+    # repeat: each asked apart, and of any track, to say which next time)
+    assert any(s.actor == "data" for s in spans), sorted({s.actor for s in spans})
+    assert any(s.actor.startswith("compute") for s in spans), sorted({s.actor for s in spans})
     assert (out / "timeline.png").read_bytes()[:8] == PNG
     assert not (out / "report.json").exists()
 
