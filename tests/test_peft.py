@@ -496,8 +496,11 @@ async def test_a_checkpoint_exports_its_adapters_as_peft_saves_them(tmp_path, ca
     assert ours.keys() == theirs.keys() and any(".lm_head." in k for k in ours)
     for k, v in theirs.items():
         assert torch.equal(ours[k], v), k
-    want = json.loads((tmp_path / "by-peft" / "adapter_config.json").read_text())
-    assert json.loads((out / "adapter_config.json").read_text()) == want
+    def config(directory) -> dict:  # PEFT writes its sets as lists in the set's order (the hash seed's)
+        d = json.loads((directory / "adapter_config.json").read_text())
+        return {k: sorted(v) if k in ("target_modules", "modules_to_save") and v else v for k, v in d.items()}
+
+    assert config(out) == config(tmp_path / "by-peft")
     again = PeftModel.from_pretrained(make("llama"), str(out))
     x = data[0][0]
     with torch.no_grad():  # (the files are equal bit for bit, above)
