@@ -180,20 +180,30 @@ def _train(tmp_path, *argv: str) -> int:
 
 
 def _data_then(monkeypatch, then, at: int = 10) -> None:  # type: ignore[no-untyped-def]
-    """`snake train`'s data calls `then()` before its batch `at`: the data actor runs at most a
-    few batches (its mailbox's depth, 4 here) ahead of the compute actor, so by then the
-    first steps are done."""
+    """`snake train`'s data calls `then()` before its batch `at`, once a step is done (its
+    progress bar moved): the data actor may read ahead of the steps by more than `at`
+    batches while the first one is slow (under load it had, and the trace held no step)."""
+    import threading
+
+    import snake.cli
     import snake.corpus
 
-    real = snake.corpus.random_windows
+    real, stepped = snake.corpus.random_windows, threading.Event()
+
+    class Bar(snake.cli.tqdm):  # type: ignore[misc,name-defined]
+        def update(self, n=1):  # type: ignore[no-untyped-def]
+            stepped.set()
+            return super().update(n)
 
     def windows(*args, **kwargs):  # type: ignore[no-untyped-def]
         for i, item in enumerate(real(*args, **kwargs)):
             if i == at:
+                assert stepped.wait(60), "no step in 60 s"  # on the data thread: the steps go on
                 then()
             yield item
 
     monkeypatch.setattr(snake.corpus, "random_windows", windows)
+    monkeypatch.setattr(snake.cli, "tqdm", Bar)
 
 
 def _sigterm() -> None:
