@@ -308,21 +308,32 @@ def _output_dir(option: str, text: str) -> Path:
     return path
 
 
-def _check_resume_dir(text: str, lora: int | None = None) -> None:
-    """Refuse now a --resume path that holds no checkpoint, or one of another --lora rank
-    (load() checks the rest: the model options and the files against their digests)."""
-    from snake.checkpoint import MANIFEST
+def _check_resume_dir(text: str, lora: int | None = None, config: SnakeConfig | None = None) -> None:
+    """Refuse now a --resume path that holds no checkpoint, one of another --lora rank, or
+    one saved with other options a resume must keep (`snake.checkpoint.MATCH_FIELDS`: load()
+    checks them too, but only once the model is built, and a LoRA's frozen base loaded in
+    another --dtype failed its digests first, naming a tensor). load() checks the rest: the
+    model and the files against their digests."""
+    from snake.checkpoint import MANIFEST, MATCH_FIELDS
 
     path = Path(text).expanduser()
     if not (path / MANIFEST).is_file():
         raise ConfigError("--resume", text, f"is not a snake checkpoint (no {MANIFEST} in it)",
                           "pass a directory that --checkpoint wrote")
     try:  # a LoRA's rank, or none: load() would say it of a tensor's name, once the model is built
-        peft: dict[str, Any] = json.loads((path / MANIFEST).read_text()).get("peft") or {}
+        manifest = json.loads((path / MANIFEST).read_text())
+        peft: dict[str, Any] = manifest.get("peft") or {}
         configs: dict[str, Any] = peft.get("configs") or {}
         rank = next((c.get("r") for c in configs.values()), None)
-    except (OSError, ValueError, AttributeError):
+        recorded: dict[str, Any] = dict(manifest["config"])
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return  # load() says what is wrong with it
+    for name in MATCH_FIELDS if config is not None else ():
+        mine, theirs = getattr(config, name), recorded.get(name)
+        if mine is not None and theirs is not None and mine != theirs:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(option, mine, f"does not match the --resume checkpoint's {theirs!r}",
+                              f"give {option} {theirs}, as the checkpoint was saved with")
     if rank != lora:
         saved = f"a LoRA of rank {rank}" if rank is not None else "a fine-tune without LoRA adapters"
         raise ConfigError("--lora", lora, f"does not match the --resume checkpoint, {saved}",
@@ -812,7 +823,7 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
         if args.checkpoint:
             _check_checkpoint_dir(args.checkpoint, str(offload_dir), args.out)
         if args.resume:
-            _check_resume_dir(args.resume, args.lora)
+            _check_resume_dir(args.resume, args.lora, config)
         _output_dir("--out", args.out)
         return runner(_train(args, chosen, config))
 

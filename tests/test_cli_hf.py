@@ -228,3 +228,20 @@ def test_a_lora_of_gpt2s_conv1d_layers_says_nothing_of_peft_setting_its_own_flag
         base = with_lora(model, 2, ("c_attn",))
     assert not [w for w in seen if "fan_in_fan_out" in str(w.message)]
     assert any("lora_A" in n for n, _ in base.named_parameters())
+
+
+def test_a_resume_with_another_dtype_is_refused_naming_it_before_anything_is_built(tmp_path, model_dir, capsys):
+    """--resume keeps the options a checkpoint resumes with (dtype, schedule, alpha,
+    micro-batches, seed): load() refuses another, but once the model is built, and a LoRA's
+    frozen base loaded in another --dtype failed its digests first, naming lm_head.weight."""
+    argv = ["train", "--model", f"hf:{model_dir}", "--seq", "32", "--batch", "4", "--micro-batches", "2",
+            "--eval-batches", "0", "--lora", "4", "--steps", "1"]
+    assert main([*argv, "--out", str(tmp_path / "a"), "--offload-dir", str(tmp_path / "off"),
+                 "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    for more, says in ((["--dtype", "bfloat16"], "--dtype='bfloat16' does not match the --resume checkpoint's "
+                                                 "'float32' (give --dtype float32"),
+                       (["--seed", "7"], "--seed=7 does not match the --resume checkpoint's 0 (give --seed 0")):
+        assert main([*argv, *more, "--out", str(tmp_path / "b"), "--resume", str(tmp_path / "ckpt")]) == 2
+        assert says in capsys.readouterr().err
+        assert not (tmp_path / "b").exists()
