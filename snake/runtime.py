@@ -97,6 +97,10 @@ def build_actors(
     e = engine
     depth = max(4, 2 * e.M)
     compute_in = Mailbox("compute", depth)
+    # batches have a mailbox of their own, of one: in `compute_in` the compute actor's waits
+    # for loads stashed every batch that came, so the data actor read on without bound (the
+    # whole run's batches, on the device, before the first step ended)
+    batches_in = Mailbox("batches", 1)
     d2h_in = Mailbox("d2h", depth)
     h2d_in = Mailbox("h2d", depth)
     write_in = Mailbox("ssd_write", 2 * depth)
@@ -104,11 +108,11 @@ def build_actors(
     clock = StageClock(start=iterations.start * e.S - 1)
     actors: list[Actor] = [
         DataFeeder(
-            e, source, compute=compute_in, iterations=iterations,
+            e, source, compute=batches_in, iterations=iterations,
             expect_shape=e.input_shape, vocab=vocab,
         ),
         Compute(
-            e, inbox=compute_in, d2h=d2h_in, clock=clock, iterations=iterations, reports=reports, on_step=on_step
+            e, inbox=compute_in, batches=batches_in, d2h=d2h_in, clock=clock, iterations=iterations, reports=reports, on_step=on_step
         ),
         HostToDevice(e, inbox=h2d_in, compute=compute_in, clock=clock, iterations=iterations),
         DeviceToHost(e, inbox=d2h_in, ssd_write=write_in, optimizers=opt_in),
@@ -119,7 +123,7 @@ def build_actors(
         OptimizerWorker(e, i, inbox=opt_in[i], ssd_write=write_in, clock=clock, iterations=iterations)
         for i in range(e.workers)
     ]
-    return actors, [compute_in, d2h_in, h2d_in, write_in, *opt_in]
+    return actors, [compute_in, batches_in, d2h_in, h2d_in, write_in, *opt_in]
 
 
 async def run_iterations(

@@ -67,3 +67,31 @@ async def test_step_seconds_are_wall_time_with_the_wait_for_data(tmp_path):
     assert all(0 <= s.data_wait_s <= s.seconds for s in report.steps)
     assert report.data_wait_s == sum(s.data_wait_s for s in report.steps) >= 0.8 * SLEEP_S
 
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_the_data_is_read_at_most_two_batches_ahead(tmp_path, kind):
+    """The data actor's batches shared the compute actor's mailbox, whose waits for loads
+    stashed every batch that came: the data actor read on without bound, all 40 batches of
+    this run (onto the device, on CUDA) before its first step ended. A source of a million
+    batches was read whole. Now at most the next two are read while a step runs: one in the
+    batches' mailbox, one waiting to go in."""
+    steps, taken = 40, [0]
+
+    def counted():
+        for item in batches(steps, 8):
+            taken[0] += 1
+            yield item
+
+    async def counted_async():
+        for item in counted():
+            yield item
+
+    ahead: list[int] = []
+    data = counted() if kind == "sync" else counted_async()
+    cfg = SnakeConfig(micro_batches=4, alpha=0.0, device="cpu", offload_dir=tmp_path)
+    async with SnakeTrainer(tiny_gpt(n_layer=4), data=data, config=cfg) as t:
+        await asyncio.wait_for(t.run(steps, on_step=lambda r: ahead.append(taken[0] - (r.step + 1))), 120)
+    assert len(ahead) == steps
+    assert max(ahead) <= 2, ahead

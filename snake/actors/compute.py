@@ -134,6 +134,7 @@ class Compute(Actor):
         engine: Engine,
         *,
         inbox: Mailbox,
+        batches: Mailbox,
         d2h: Mailbox,
         clock: StageClock,
         iterations: range,
@@ -144,6 +145,7 @@ class Compute(Actor):
         self._inflight = 0  # jobs handed to the compute thread and not yet done there
         self.e = engine
         self.inbox = inbox
+        self.batches = batches  # the data actor's, apart: a batch never waits in `inbox`'s stash
         self.d2h = d2h
         self.clock = clock
         self.iterations = iterations
@@ -169,7 +171,7 @@ class Compute(Actor):
         for t in self.iterations:
             self.at(t)
             waited = time.perf_counter()
-            batch: BatchReady = await self.inbox.take(("batch", t))
+            batch: BatchReady = await self.batches.take(("batch", t))
             waited = time.perf_counter() - waited
             losses: list[torch.Tensor] = []
             box: _Box | None = None  # the output the stage before kept on the device
