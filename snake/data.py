@@ -324,6 +324,10 @@ def split_batch(
             f"data: every target of the batch is {IGNORE_INDEX} (not trained on): its loss would be 0/0; "
             "leave such batches out"
         )
-    ins = tuple(c.to(device) for c in inputs.chunk(micro_batches))
-    tgs = tuple(c.to(device) for c in targets.chunk(micro_batches))
+    # copies of their own (`.to` alone returns the batch's own tensors on their device): a
+    # loader that refills one buffer for each batch, as a plain loop may consume it, changed
+    # the batches read ahead under the steps using them (the data actor reads up to two
+    # ahead; evaluate() holds a pass's targets), and those trained on other batches' tokens
+    ins = tuple(c.to(device, copy=True) for c in inputs.chunk(micro_batches))
+    tgs = tuple(c.to(device, copy=True) for c in targets.chunk(micro_batches))
     return ins, tgs, int(targets.numel()), (int(targets.numel()) - n_ignored if n_ignored else None)
