@@ -4,6 +4,7 @@ A global batch is split into `micro_batches` along dim 0."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -109,11 +110,27 @@ class DataSource:
         self._pending = asyncio.wrap_future(self._call)
         return self._pending
 
-    def release(self) -> None:
+    async def close(self, grace: float) -> None:
         """Drop the iterator (the trainer is closed): a DataLoader's worker processes, which
-        its iterator owns, end with it. The data it came from is the user's, left as it is."""
+        its iterator owns, end with it. The data it came from is the user's, left as it is.
+        Also dropped: the last next()'s future, whose error's traceback holds the iterator
+        (a DataLoader whose worker raised kept its workers after close()), and an async
+        iterator's `__anext__` a cancellation left running, cancelled and given `grace`
+        seconds to end (its generator's `finally` runs now; left pending, the task held the
+        generator until the loop closed, or was collected with it: "Task was destroyed but
+        it is pending!")."""
+        pending, self._pending, self._call = self._pending, None, None
         self._iter = self._aiter = None
         self._peeked.clear()
+        if not isinstance(pending, asyncio.Task) or pending.done():
+            return
+        home = pending.get_loop()
+        if home is not asyncio.get_running_loop():  # close() from another loop: cancelled in its own
+            with contextlib.suppress(RuntimeError):  # that loop is closed: the task never runs again
+                home.call_soon_threadsafe(pending.cancel)
+            return
+        pending.cancel()
+        await asyncio.wait([pending], timeout=grace)
 
     def left(self) -> int | None:
         """Batches still to come from a list or tuple (None: the data does not say)."""

@@ -187,6 +187,7 @@ class SnakeTrainer:
             if self.engine is not None or not isinstance(exc, SnakeError | asyncio.CancelledError):
                 self._broken = f"{type(exc).__name__}: {exc}"
                 await self._shutdown()
+                await self.source.close(_NEXT_GRACE_S)  # closed: it holds no iterator of the data
             raise
         finally:
             self._end()
@@ -362,7 +363,7 @@ class SnakeTrainer:
         if task is not None and task is not caller and not task.done():
             await _cancel_and_wait(task)
         await self._shutdown()
-        self.source.release()
+        await self.source.close(_NEXT_GRACE_S)
         self._release_model()  # where the call's task never ends (its loop stopped)
 
     # -- internals --------------------------------------------------------------------

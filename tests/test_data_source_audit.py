@@ -5,16 +5,101 @@ one buffer. Each test failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
+import weakref
 
+import psutil
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset
 
-from snake import SnakeConfig, SnakeTrainer
+from snake import ActorFailed, SnakeConfig, SnakeTrainer
 from tests.helpers import batches, reference, tiny_gpt
 
 
 def _config(tmp_path) -> SnakeConfig:
     return SnakeConfig(micro_batches=2, alpha=0.0, device="cpu", offload_dir=tmp_path / "off")
+
+
+def _workers() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+class _Rows(Dataset):
+    """Rows of `batches(n, 4)`, one (inputs, targets) pair of a sequence each; index `bad` on
+    raises (a corrupt record) in the DataLoader's worker."""
+
+    def __init__(self, n: int, bad: int | None = None) -> None:
+        self.rows = [(x[i], y[i]) for x, y in batches(n, 4) for i in range(4)]
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        if self.bad is not None and i >= self.bad:
+            raise ValueError(f"a corrupt record at {i}")
+        return self.rows[i]
+
+
+async def _until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:  # noqa: ASYNC110 - processes signal nothing here
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.asyncio
+async def test_a_dataloader_whose_worker_failed_ends_its_workers_with_the_trainer(tmp_path):
+    """A DataLoader (two worker processes) whose dataset raises at the sixth batch: the run
+    fails naming it, and the failed trainer, which is closed, holds no iterator of the data:
+    its workers end. Before, the last next()'s future kept the error, whose traceback holds
+    the iterator, so the two workers lived on after close(), as long as the trainer."""
+    loader = DataLoader(_Rows(12, bad=5 * 4), batch_size=4, num_workers=2)
+    t = SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path))
+    it = weakref.ref(t.source._iter)
+    assert len(_workers()) == 2
+    with pytest.raises(ActorFailed, match=r"'data' failed at iteration=5: ValueError: Caught ValueError"):
+        await asyncio.wait_for(t.run(8), 60)
+    gc.collect()
+    assert it() is None  # without close(): the failed run closed the trainer
+    assert await _until(lambda: not _workers()), _workers()
+    await t.close()
+
+
+@pytest.mark.asyncio
+async def test_closing_a_trainer_ends_an_async_generator_blocked_in_its_next_batch(tmp_path):
+    """An async generator that waits for batches on a queue (a producer that has stopped),
+    a run cancelled as it waits: close() cancels that `__anext__` (the generator's finally
+    runs) and no task is left. Before, the task went on holding the generator; dropped
+    with the trainer, it was collected pending: "Task was destroyed but it is pending!",
+    and the generator's finally never ran."""
+    errors: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx["message"]))
+    ended = []
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in batches(3, 4):
+        queue.put_nowait(b)
+
+    async def stream(q: asyncio.Queue):
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            ended.append(True)
+
+    t = SnakeTrainer(tiny_gpt(n_layer=2), data=stream(queue), config=_config(tmp_path))
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(3):
+            await t.run(6)
+    await t.close()
+    assert ended == [True]
+    assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
+    del t, queue
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert errors == []
 
 
 def _refilled(data):
