@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from snake.blocking import retrieved
 from snake.errors import DataError
@@ -60,8 +61,9 @@ class DataSource:
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
         self._call: Future[Any] | None = None  # that next() on its thread: done as it returns
         self.consumed = 0  # global batches handed out
-        # a list or tuple says how many batches it has: run() checks there are enough
-        self._len = len(data) if isinstance(data, Sequence) else None
+        # a list or tuple, or a DataLoader of a map-style dataset, says how many batches it
+        # has: run() checks there are enough
+        self._len, self._short_last = _known_length(data)
         self._taken = 0  # items taken from the iterator (load(skip_data=False) does not count)
 
     async def next(self, executor: Executor) -> Any:
@@ -133,8 +135,30 @@ class DataSource:
         await asyncio.wait([pending], timeout=grace)
 
     def left(self) -> int | None:
-        """Batches still to come from a list or tuple (None: the data does not say)."""
+        """Batches still to come from a list or tuple or a DataLoader of a map-style dataset
+        (None: the data does not say)."""
         return None if self._len is None else self._len - self._taken + len(self._peeked)
+
+    def check_enough(self, steps: int) -> None:
+        """DataError, before a run(steps) trains, where the data says it has fewer batches
+        (else the run fails as it runs out, and the trainer closes, its steps lost), or
+        where the run would reach a DataLoader's last batch, which is short (snake keeps a
+        batch's shape fixed: that batch would fail the run at the end of the epoch)."""
+        left = self.left()
+        if left is None:
+            return
+        if left < steps:
+            raise DataError(
+                f"data: run({steps}) needs {steps} more global batches but the data has {left} left; "
+                f"give more batches (or an endless iterator{_EPOCHS}) or run fewer steps"
+            )
+        if self._short_last is not None and left == steps and self._len is not None and self._len > 1:
+            rows, size = self._short_last
+            raise DataError(
+                f"data: run({steps}) would reach the DataLoader's last batch, which has {rows} rows where the others "
+                f"have {size} (its sampler's length is not a multiple of batch_size={size}); snake keeps the "
+                "batch shape fixed: pass drop_last=True to the DataLoader, or run fewer steps"
+            )
 
     def fetching(self) -> bool:
         """Is a sync iterator's next() still running on the data thread (left by a
@@ -157,6 +181,33 @@ class DataSource:
         self.consumed -= 1
         self._peeked.append(item)
         return item
+
+
+_EPOCHS = ": several epochs of a DataLoader are `(b for _ in range(epochs) for b in loader)`"
+
+
+def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
+    """How many batches `data` gives where it says so (a list or tuple; a DataLoader of a
+    map-style dataset with torch's samplers, whose len() is exact), and (rows, batch_size) of a DataLoader's
+    short last batch (drop_last=False over a sampler whose length is not a multiple of
+    batch_size), else (None, None)."""
+    if isinstance(data, Sequence):
+        return len(data), None
+    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
+        return None, None  # an IterableDataset's len(), where it has one, is the user's estimate
+    if not all(type(s).__module__.startswith("torch.utils.data") for s in (data.sampler, data.batch_sampler)
+               if s is not None):
+        return None, None  # a sampler of the user's may go on past its len() (an endless one)
+    try:
+        n = len(data)
+        samples = len(data.sampler) if data.batch_size is not None else None  # type: ignore[arg-type]
+    except TypeError:  # a sampler without a length
+        return None, None
+    size = data.batch_size
+    short = None
+    if samples is not None and size is not None and not data.drop_last and samples % size:
+        short = (samples % size, size)
+    return n, short
 
 
 def check_container(data: Any, what: str) -> None:

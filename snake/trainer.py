@@ -35,7 +35,7 @@ from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, resolve_device
 from snake.engine import Engine
-from snake.errors import ConfigError, DataError, SnakeError, Stopped, release_frames
+from snake.errors import ConfigError, SnakeError, Stopped, release_frames
 from snake.lr import check_rates
 from snake.offload_dir import DirLock, check_offload_dir, memory_fs
 from snake.optim import decay_flags
@@ -164,12 +164,7 @@ class SnakeTrainer:
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
             )
-        left = self.source.left()
-        if left is not None and left < steps:  # else the run would fail at its end, losing every step
-            raise DataError(
-                f"data: run({steps}) needs {steps} more global batches but the data has {left} left; "
-                "give more batches (or an endless iterator) or run fewer steps"
-            )
+        self.source.check_enough(steps)  # else the run would fail at its end, losing every step
         self._begin()
         try:
             if self.engine is None:

@@ -12,9 +12,10 @@ import weakref
 import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from snake import ActorFailed, SnakeConfig, SnakeTrainer
+from snake.errors import DataError
 from tests.helpers import batches, reference, tiny_gpt
 
 
@@ -136,3 +137,65 @@ async def test_evaluate_of_a_loader_that_refills_one_buffer(tmp_path):
         got = await t.evaluate(_refilled(held_out))
     assert got.batches == want.batches == 4
     assert got.loss == pytest.approx(want.loss, rel=1e-6)
+
+
+def _loader(rows: int, **kw) -> DataLoader:
+    (x, y), = batches(1, rows)
+    return DataLoader(TensorDataset(x, y), batch_size=4, **kw)
+
+
+@pytest.mark.asyncio
+async def test_a_dataloader_shorter_than_the_run_is_refused_before_it_trains(tmp_path):
+    """A DataLoader of a map-style dataset says how many batches it has, as a list does:
+    run(5) over its 3 is refused at once, and the trainer goes on. Before, the run trained
+    3 steps, then failed as the data ran out and closed the trainer, the steps lost."""
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=_loader(12), config=_config(tmp_path)) as t:
+        with pytest.raises(DataError, match=r"run\(5\) needs 5 more global batches but the data has 3 left.*epochs"):
+            await t.run(5)
+        assert t.engine is None
+        await asyncio.wait_for(t.run(2), 60)
+        with pytest.raises(DataError, match=r"run\(2\) needs 2 more global batches but the data has 1 left"):
+            await t.run(2)
+        await asyncio.wait_for(t.run(1), 60)
+
+
+@pytest.mark.asyncio
+async def test_a_dataloader_whose_last_batch_is_short_is_refused_before_the_run_reaches_it(tmp_path):
+    """10 rows in batches of 4: the last batch has 2 rows, which snake refuses (shapes stay
+    fixed). A run that would reach it is refused before it trains, naming drop_last; one
+    that stops short of it trains. Before, the run trained the epoch and then failed on its
+    last batch, closing the trainer."""
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=_loader(10), config=_config(tmp_path)) as t:
+        with pytest.raises(DataError, match=r"last batch, which has 2 rows .* drop_last=True"):
+            await t.run(3)
+        await asyncio.wait_for(t.run(2), 60)
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=_loader(10, drop_last=True), config=_config(tmp_path)) as t:
+        with pytest.raises(DataError, match=r"needs 3 more global batches but the data has 2 left"):
+            await t.run(3)
+
+
+class _Endless(torch.utils.data.Sampler):
+    """A sampler of the user's that goes on past its len(), as some iteration-based training
+    loops use: its loader is not held to len()."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        i = 0
+        while True:
+            yield i % self.n
+            i += 1
+
+
+@pytest.mark.asyncio
+async def test_a_dataloader_of_an_endless_sampler_is_not_held_to_its_length(tmp_path):
+    (x, y), = batches(1, 8)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, sampler=_Endless(8))
+    assert len(loader) == 2
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path)) as t:
+        report = await asyncio.wait_for(t.run(3), 60)
+    assert len(report.steps) == 3
