@@ -152,7 +152,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=_count, default=0, metavar="N",
                    help="also save --checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from a checkpoint --checkpoint wrote (same model options; --steps more steps)")
+                   help="continue from a checkpoint --checkpoint wrote (same model options, text, --seq and --batch; "
+                        "--steps more steps)")
     p.add_argument("--eval-batches", type=_count, default=8, metavar="N",
                    help="validation loss before and after training on N batches of the held-out text (0: none)")
 
@@ -308,38 +309,6 @@ def _output_dir(option: str, text: str) -> Path:
     return path
 
 
-def _check_resume_dir(text: str, lora: int | None = None, config: SnakeConfig | None = None) -> None:
-    """Refuse now a --resume path that holds no checkpoint, one of another --lora rank, or
-    one saved with other options a resume must keep (`snake.checkpoint.MATCH_FIELDS`: load()
-    checks them too, but only once the model is built, and a LoRA's frozen base loaded in
-    another --dtype failed its digests first, naming a tensor). load() checks the rest: the
-    model and the files against their digests."""
-    from snake.checkpoint import MANIFEST, MATCH_FIELDS
-
-    path = Path(text).expanduser()
-    if not (path / MANIFEST).is_file():
-        raise ConfigError("--resume", text, f"is not a snake checkpoint (no {MANIFEST} in it)",
-                          "pass a directory that --checkpoint wrote")
-    try:  # a LoRA's rank, or none: load() would say it of a tensor's name, once the model is built
-        manifest = json.loads((path / MANIFEST).read_text())
-        peft: dict[str, Any] = manifest.get("peft") or {}
-        configs: dict[str, Any] = peft.get("configs") or {}
-        rank = next((c.get("r") for c in configs.values()), None)
-        recorded: dict[str, Any] = dict(manifest["config"])
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return  # load() says what is wrong with it
-    for name in MATCH_FIELDS if config is not None else ():
-        mine, theirs = getattr(config, name), recorded.get(name)
-        if mine is not None and theirs is not None and mine != theirs:
-            option = "--" + name.replace("_", "-")
-            raise ConfigError(option, mine, f"does not match the --resume checkpoint's {theirs!r}",
-                              f"give {option} {theirs}, as the checkpoint was saved with")
-    if rank != lora:
-        saved = f"a LoRA of rank {rank}" if rank is not None else "a fine-tune without LoRA adapters"
-        raise ConfigError("--lora", lora, f"does not match the --resume checkpoint, {saved}",
-                          f"give --lora {rank} (and its --lora-targets)" if rank is not None else "leave --lora out")
-
-
 def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
     """Refuse now a --checkpoint path that `trainer.save` would refuse after training (it only
     replaces a snake checkpoint or an empty directory, outside the offload directory), or
@@ -444,12 +413,13 @@ def _signals_cancel_this_task() -> Iterator[list[int]]:
                 signal.signal(signum, handler)
 
 
-async def _train(args: argparse.Namespace, subject: Subject, config: SnakeConfig) -> int:
-    """The run; _Interrupted when SIGINT or SIGTERM stopped it."""
+async def _train(args: argparse.Namespace, subject: Subject, config: SnakeConfig, resumed: dict | None) -> int:
+    """The run; _Interrupted when SIGINT or SIGTERM stopped it. `resumed`: the --resume
+    checkpoint and its step, for report.json."""
     steps: list[dict] = []
     with _signals_cancel_this_task() as caught:
         try:
-            return await _train_run(args, subject, config, steps)
+            return await _train_run(args, subject, config, steps, resumed)
         except asyncio.CancelledError:
             if not caught:
                 raise
@@ -491,10 +461,12 @@ def _config_dict(config: SnakeConfig) -> dict[str, Any]:
     return out
 
 
-async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeConfig, steps: list[dict]) -> int:
+async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeConfig, steps: list[dict],
+                     resumed: dict | None) -> int:
     """Train, appending each step's numbers to `steps`, and write the run's files."""
     from snake.corpus import holdout_windows, random_windows
     from snake.timeline import plot_timeline
+    from snake.train_source import train_record
     from snake.trainer import SnakeTrainer
 
     corpus = subject.corpus
@@ -513,7 +485,7 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
     out = Path(args.out)
     async with SnakeTrainer(model, data=data, config=config) as trainer:
         try:
-            wall, trained = await _train_steps(trainer, args, config, held, val, steps)
+            wall, trained = await _train_steps(trainer, args, config, held, val, steps, train_record(args, subject))
         except BaseException as exc:  # failed or interrupted: its trace tells what it was doing
             _save_trace_of_stopped_run(trainer.trace, out, steps, exc)
             raise
@@ -524,6 +496,8 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
                       dropped=trainer.trace.recorded - len(spans))
         report_json = {
             "model": subject.record,
+            "text": subject.text,  # what a --resume of its checkpoint must train on (snake.train_source)
+            "resumed_from": resumed,  # the --resume checkpoint and its step, or null
             "config": _config_dict(trainer.config),  # what --plan picked too
             "steps": steps,
             "wall_seconds": wall,  # of the runs, their setup included
@@ -536,7 +510,7 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
         }
         (out / "report.json").write_text(json.dumps(report_json, indent=2, allow_nan=False))
         if args.checkpoint:
-            await trainer.save(args.checkpoint)
+            await _save(trainer, args.checkpoint, train_record(args, subject))
             print(f"checkpoint: {args.checkpoint} (snake export {args.checkpoint} "
                   f"{'--peft' if subject.peft else '--hf'} DIR)")
     held_out = f"; held-out loss {val['before']:.4f} -> {val['after']:.4f}" if val else ""
@@ -550,13 +524,23 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n >= 10**5 or n == 0 else f"{n / 1e6:.2g} M"
 
 
+async def _save(trainer: SnakeTrainer, directory: str, record: dict[str, Any]) -> None:
+    """trainer.save, then the run's text and windows beside the checkpoint (`record`, what a
+    --resume of it checks: snake.train_source.TRAIN_RECORD)."""
+    from snake.train_source import write_train_record
+
+    await trainer.save(directory)
+    await asyncio.to_thread(write_train_record, directory, record)
+
+
 async def _train_steps(
     trainer: SnakeTrainer, args: argparse.Namespace, config: SnakeConfig, held: list, val: dict[str, float],
-    steps: list[dict],
+    steps: list[dict], record: dict[str, Any],
 ) -> tuple[float, float]:
     """The trainer's work in `snake train`: resume, evaluate, train --steps steps (with the
     progress bar, a checkpoint every --save-every), evaluate. Returns the runs' wall seconds
-    and the trace's clock at the end of training (before the evaluation after it)."""
+    and the trace's clock at the end of training (before the evaluation after it). `record`:
+    what each checkpoint's TRAIN_RECORD says."""
     if args.resume:  # its step, weights, optimizer state, RNG and place in the data
         await trainer.load(args.resume)
     if held:
@@ -598,7 +582,7 @@ async def _train_steps(
             wall += time.perf_counter() - t0
             done += n
             if done < args.steps:
-                await trainer.save(args.checkpoint)
+                await _save(trainer, args.checkpoint, record)
     finally:
         bar.close()
     trained = trainer.trace.now()
@@ -806,9 +790,13 @@ def _interrupt_setup(signum: int, frame: Any) -> None:
 
 
 def _train_setup_and_run(args: argparse.Namespace) -> int:
-    from snake.train_source import subject
+    from snake.train_source import check_resume, resume_defaults, resume_manifest, subject
 
-    chosen = _check_train_args(args, subject(args))
+    trains = subject(args)
+    manifest = resume_manifest(args.resume) if args.resume else None
+    if manifest is not None:
+        resume_defaults(args, manifest)
+    chosen = _check_train_args(args, trains)
     try:
         import uvloop
 
@@ -822,10 +810,11 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
         # the run writes these at its end: refuse a bad path now, not after training
         if args.checkpoint:
             _check_checkpoint_dir(args.checkpoint, str(offload_dir), args.out)
-        if args.resume:
-            _check_resume_dir(args.resume, args.lora, config)
+        if manifest is not None and (note := check_resume(args, chosen, config, manifest)) is not None:
+            print(f"snake train: {note}", file=sys.stderr)
         _output_dir("--out", args.out)
-        return runner(_train(args, chosen, config))
+        resumed = None if manifest is None else {"checkpoint": args.resume, "step": manifest["step"]}
+        return runner(_train(args, chosen, config, resumed))
 
 
 if __name__ == "__main__":

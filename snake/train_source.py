@@ -7,6 +7,10 @@ of the text. The text is the Python documentation that ships with Python (no dow
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -16,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake.errors import ConfigError
+from snake.errors import MISSING, ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class Subject:
     record: dict[str, Any]
     peft: bool = False
     block_size: int | None = None  # the model's longest sequence, where it has one
+    text: dict[str, Any] | None = None  # what the corpus is (`text_record`): a --resume keeps it
+    # the modules a --lora run adapts, by their last name (q_proj), sorted: a --resume keeps them
+    lora_modules: tuple[str, ...] = ()
 
     def with_gpt(self, config: Any) -> Subject:
         """The built-in GPT of `config` as the model."""
@@ -53,6 +60,28 @@ def text_of(path: str | None) -> str:
     if not text.strip():
         raise ConfigError("--text", path, "holds no text", "give a file with the text to train on")
     return text
+
+
+def text_record(path: str | None, text: str, corpus: torch.Tensor) -> dict[str, Any]:
+    """What a run's corpus is, as a --resume checks it: its text (`--text` FILE as given,
+    or the documentation of this Python) by its characters and their sha256 (UTF-8), and
+    the ids cut into windows by their count and sha256 (another tokenizer's ids differ)."""
+    ids = corpus.to(torch.long).contiguous()
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"  # its documentation differs from version to version
+    return {
+        "text": str(Path(path).expanduser().absolute()) if path is not None else f"the Python {python} documentation",
+        "given": path is not None,
+        "chars": len(text),
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "ids": int(ids.numel()),
+        "ids_sha256": hashlib.sha256(ids.numpy().data if ids.numel() else b"").hexdigest(),
+    }
+
+
+def lora_modules(model: nn.Module) -> tuple[str, ...]:
+    """The last names of the modules that hold a LoRA adapter in `model` (sorted, each once)."""
+    return tuple(sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters()
+                         if ".lora_A." in n}))
 
 
 def with_lora(model: nn.Module, rank: int, targets: tuple[str, ...]) -> nn.Module:
@@ -99,7 +128,8 @@ def subject(args: argparse.Namespace) -> Subject:
     if not hf:
         from snake.corpus import text_bytes
 
-        return Subject(text_bytes(text), "bytes", build=None, record={})
+        corpus = text_bytes(text)
+        return Subject(corpus, "bytes", build=None, record={}, text=text_record(args.text, text, corpus))
     for flag in ("layers", "embd", "heads"):
         if getattr(args, flag) is not None:
             raise ConfigError(f"--{flag}", getattr(args, flag), "shapes the built-in GPT, not a Hugging Face model "
@@ -136,11 +166,12 @@ def _hf_subject(args: argparse.Namespace, text: str) -> Subject:
     n = getattr(config, "max_position_embeddings", None)
     block = int(n) if isinstance(n, int) else None
     lora, targets = args.lora, tuple(args.lora_targets or ("all-linear",))
+    adapted: tuple[str, ...] = ()
     if lora is not None:  # PEFT's adapters in the model built on the meta device: their targets checked now
         from snake.hf import load_hf
 
         with torch.device("meta"):
-            with_lora(load_hf(config), lora, targets)
+            adapted = lora_modules(with_lora(load_hf(config), lora, targets))
 
     # a full fine-tune's fp32 masters start from the stored weights: loaded in a compute
     # dtype they are stored wider than (fp32 weights, --dtype bfloat16) they would start
@@ -158,5 +189,189 @@ def _hf_subject(args: argparse.Namespace, text: str) -> Subject:
     record = {"hf": str(path), "model_type": getattr(config, "model_type", None), "stream": bool(args.stream),
               "lora": None if lora is None else {"r": lora, "target_modules": list(targets)},
               "tokenizer": type(tokenizer).__name__, "text_tokens": int(corpus.numel())}
-    return Subject(corpus, "tokens", build, record, peft=lora is not None, block_size=block)
+    return Subject(corpus, "tokens", build, record, peft=lora is not None, block_size=block,
+                   text=text_record(args.text, text, corpus), lora_modules=adapted)
 
+
+
+# -- --resume: what a checkpoint must match, checked before anything is built or written --
+TRAIN_RECORD = "snake-train.json"  # beside a checkpoint's manifest: the text and windows `snake train` cut
+
+
+def train_record(args: argparse.Namespace, subject: Subject) -> dict[str, Any]:
+    """What `snake train` writes beside each checkpoint it saves (`TRAIN_RECORD`): its text
+    (`text_record`) and its windows' --seq and --batch, which the checkpoint's place in the
+    data (`consumed_batches`) counts in."""
+    return {"text": subject.text, "seq": args.seq, "batch": args.batch}
+
+
+def write_train_record(directory: str, record: dict[str, Any]) -> None:
+    """Blocking: `record` into `directory`'s TRAIN_RECORD (a new file renamed over the old)."""
+    target = Path(directory).expanduser() / TRAIN_RECORD
+    tmp = target.with_name(f".{TRAIN_RECORD}.tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, target)
+
+
+def resume_manifest(text: str) -> dict[str, Any]:
+    """The manifest of the --resume checkpoint `text`, after checking what can be checked
+    without reading its files: that it is there (or where an interrupted save left it), that
+    it reads, and that each file it lists is there with its size (load() checks their sha256)."""
+    from snake.checkpoint import MANIFEST
+
+    path = Path(text).expanduser()
+    fix = "pass a directory that --checkpoint wrote"
+    if not (path / MANIFEST).is_file():
+        aside = sorted(p.name for p in path.parent.glob(f".{path.name}.old-*") if p.is_dir()) \
+            if not path.exists() and path.parent.is_dir() else []
+        if aside:  # snake.checkpoint renames the old checkpoint aside until the new one is in place
+            raise ConfigError("--resume", text, f"is not there: a save into it was interrupted and left the "
+                              f"previous checkpoint at {path.parent / aside[-1]}", f"rename that to {path.name}")
+        raise ConfigError("--resume", text, f"is not a snake checkpoint (no {MANIFEST} in it)", fix)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        assert isinstance(manifest["config"], dict) and isinstance(manifest["model"], dict)
+        listed = [(str(name), int(info["bytes"])) for name, info in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
+        raise ConfigError("--resume", text, f"has a {MANIFEST} that does not read as a snake checkpoint's "
+                          f"({type(e).__name__}: {e})", fix) from None
+    for name, size in listed:
+        f = path / name
+        have = f.stat().st_size if f.is_file() else None
+        if have != size:
+            rule = "is missing" if have is None else f"has {have} bytes where the manifest says {size}"
+            raise ConfigError("--resume", text, f"is incomplete or damaged: its {name} {rule}",
+                              "resume from a whole checkpoint (a save leaves the previous one whole until "
+                              "the new one is)")
+    return manifest
+
+
+def resume_defaults(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
+    """--alpha and --micro-batches left out of a --resume run are the checkpoint's (the
+    defaults, or what --plan picked), as the trainer's None takes them."""
+    saved = manifest["config"]
+    if args.plan:
+        return  # the trainer fills its None from the checkpoint (snake.checkpoint.fill_config)
+    if args.alpha is None and isinstance(saved.get("alpha"), int | float) and not isinstance(saved["alpha"], bool):
+        args.alpha = float(saved["alpha"])
+    mb = saved.get("micro_batches")
+    if args.micro_batches is None and isinstance(mb, int) and not isinstance(mb, bool) and mb >= 1:
+        args.micro_batches = mb
+
+
+def check_resume(args: argparse.Namespace, subject: Subject, config: Any, manifest: dict[str, Any]) -> str | None:
+    """ConfigError naming the option where this run is not the one the --resume checkpoint
+    goes on: another model (the built-in GPT's shape, a Hugging Face model's config), LoRA
+    rank or targets, config fields a resume keeps (`snake.checkpoint.MATCH_FIELDS`), text
+    or windows. load() checks the model and fields too, but once the model is built and
+    naming a tensor. Returns a note for the user where something could not be checked."""
+    from snake.checkpoint import MATCH_FIELDS
+
+    _check_resume_model(args, manifest.get("model_config") or {})
+    for name in MATCH_FIELDS:
+        mine, theirs = getattr(config, name), manifest["config"].get(name)
+        if mine is not None and theirs is not None and mine != theirs:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(option, mine, f"does not match the --resume checkpoint's {theirs!r}",
+                              f"give {option} {theirs}, as the checkpoint was saved with")
+    _check_resume_lora(args, subject, manifest)
+    if not _check_resume_data(args, subject):
+        return (f"--resume {args.resume} holds no {TRAIN_RECORD} (it was not saved by snake train, or by one "
+                "before it wrote one): its text and windows are not checked")
+    return None
+
+
+def _check_resume_model(args: argparse.Namespace, saved: dict[str, Any]) -> None:
+    kind = saved.get("kind")
+    if kind == "snake.gpt":
+        shape = {"--layers": "n_layer", "--embd": "n_embd", "--heads": "n_head", "--seq": "block_size"}
+        theirs = " ".join(f"{flag} {saved.get(key)}" for flag, key in shape.items())
+        if args.model is not None:
+            raise ConfigError("--model", f"hf:{args.model}", "is not the model of the --resume checkpoint, the "
+                              "built-in GPT", f"leave --model out and give its shape: {theirs}")
+        for flag, key in shape.items():
+            mine = getattr(args, "seq" if flag == "--seq" else flag[2:])
+            if saved.get(key) is not None and mine != saved[key]:
+                raise ConfigError(flag, mine, f"does not match the --resume checkpoint's GPT ({theirs})",
+                                  f"give {flag} {saved[key]}")
+    elif isinstance(kind, str) and kind.startswith("transformers"):
+        source = saved.get("_name_or_path") or "DIR"
+        what = f"a Hugging Face {saved.get('model_type') or 'model'} (from {source})"
+        if args.model is None:
+            raise ConfigError("--model", MISSING, f"is left out, but the --resume checkpoint is of {what}",
+                              f"give --model hf:{source}")
+        from transformers import AutoConfig
+
+        try:
+            mine = AutoConfig.from_pretrained(str(Path(args.model).expanduser()), local_files_only=True).to_dict()
+        except Exception:  # noqa: BLE001 - the subject read it already; load() says what differs
+            return
+        for key in ("model_type", *_SHAPE_KEYS):
+            if key in mine and key in saved and mine[key] != saved[key]:
+                raise ConfigError("--model", f"hf:{args.model}", f"has {key}={mine[key]!r}, but the --resume "
+                                  f"checkpoint is of {what} with {key}={saved[key]!r}", f"give --model hf:{source}")
+
+
+# a Hugging Face config's entries that shape its parameters (those of the model's kind)
+_SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "vocab_size", "n_layer", "n_embd", "n_head", "n_inner")
+
+
+def _check_resume_lora(args: argparse.Namespace, subject: Subject, manifest: dict[str, Any]) -> None:
+    """--lora's rank (or none) and --lora-targets: the checkpoint's PEFT config's rank, and
+    the modules its trained parameters hold adapters in (`lora_modules`' names)."""
+    peft = manifest.get("peft")
+    configs = (peft.get("configs") if isinstance(peft, dict) else None) or {}
+    rank = next((c.get("r") for c in configs.values() if isinstance(c, dict)), None)
+    model = manifest["model"]
+    names = [n for spec in (model.get("block_params") or [], *(model.get("kind_params") or []),
+                            model.get("resident_params") or []) for n, _ in spec]
+    theirs = tuple(sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n in names if ".lora_A." in n}))
+    targets = ",".join(theirs) if theirs else None
+    if rank != args.lora:
+        saved = f"a LoRA of rank {rank}" if rank is not None else "a fine-tune without LoRA adapters"
+        raise ConfigError("--lora", args.lora, f"does not match the --resume checkpoint, {saved}",
+                          (f"give --lora {rank}" + (f" --lora-targets {targets}" if targets else ""))
+                          if rank is not None else "leave --lora out and --lora-targets")
+    if args.lora is not None and theirs and subject.lora_modules != theirs:
+        given = ",".join(args.lora_targets or ("all-linear",))
+        raise ConfigError("--lora-targets", given, f"adapts {','.join(subject.lora_modules)}, but the --resume "
+                          f"checkpoint's adapters are in {targets}", f"give --lora-targets {targets}")
+
+
+def _check_resume_data(args: argparse.Namespace, subject: Subject) -> bool:
+    """The text and the windows the checkpoint's place in the data counts in, from the
+    TRAIN_RECORD `snake train` wrote beside it. False where there is none (a checkpoint of
+    SnakeTrainer.save): nothing to check."""
+    path = Path(args.resume).expanduser() / TRAIN_RECORD
+    try:
+        saved = json.loads(path.read_text())
+        text = saved["text"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    for flag, key in (("--seq", "seq"), ("--batch", "batch")):
+        if saved.get(key) is not None and getattr(args, key) != saved[key]:
+            raise ConfigError(flag, getattr(args, key), f"does not match the --resume checkpoint's {saved[key]}: its "
+                              f"place in the data counts batches of its --batch windows of --seq {subject.unit}",
+                              f"give {flag} {saved[key]}, or start a new run (without --resume)")
+    mine = subject.text or {}
+    if not isinstance(text, dict) or mine.get("ids_sha256") == text.get("ids_sha256"):
+        return True
+    if mine.get("sha256") != text.get("sha256"):
+        theirs = (f"{text.get('text')} ({text.get('chars')} characters, sha256 {str(text.get('sha256'))[:12]}...), "
+                  "whose place in it the resumed run goes on from")
+        if text.get("given"):
+            go_on = f"give --text {text['text']}"
+        else:  # the documentation of another Python, where --text is left out
+            go_on = "leave --text out" if args.text is not None else "resume it with that Python"
+        new = "start a new run on it, without --resume" + (
+            f" (from the trained weights: snake export {args.resume} --hf DIR, then --model hf:DIR)"
+            if args.model is not None and args.lora is None else "")
+        rule = (f"is not the text the --resume checkpoint trained on, {theirs}" if args.text is not None
+                else f"is left out, and {mine.get('text')} is not the text the --resume checkpoint trained on, "
+                f"{theirs}")
+        raise ConfigError("--text", args.text if args.text is not None else MISSING, rule,
+                          f"{go_on} to go on; to train on this text, {new}")
+    raise ConfigError("--model", f"hf:{args.model}", "has a tokenizer that gives other ids of the text than the "
+                      "--resume checkpoint's run did", "give the model directory (and tokenizer) it trained")

@@ -23,14 +23,17 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+def tiny_llama(d):
     """A tiny Llama (random weights) with a byte-level BPE tokenizer of 300 ids trained here
-    on the start of the documentation text (no download), saved as a model directory."""
+    on the start of the documentation text (no download), saved as a model directory `d`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from snake.corpus import pydoc_text
 
-    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
