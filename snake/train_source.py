@@ -10,6 +10,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -222,11 +223,12 @@ def resume_manifest(text: str) -> dict[str, Any]:
     path = Path(text).expanduser()
     fix = "pass a directory that --checkpoint wrote"
     if not (path / MANIFEST).is_file():
-        aside = sorted(p.name for p in path.parent.glob(f".{path.name}.old-*") if p.is_dir()) \
-            if not path.exists() and path.parent.is_dir() else []
+        own = re.compile(rf"\.{re.escape(path.name)}\.old-[0-9a-f]+")  # (a name may hold glob characters)
+        aside = sorted((p for p in path.parent.iterdir() if own.fullmatch(p.name) and p.is_dir()),
+                       key=lambda p: p.stat().st_mtime) if not path.exists() and path.parent.is_dir() else []
         if aside:  # snake.checkpoint renames the old checkpoint aside until the new one is in place
             raise ConfigError("--resume", text, f"is not there: a save into it was interrupted and left the "
-                              f"previous checkpoint at {path.parent / aside[-1]}", f"rename that to {path.name}")
+                              f"previous checkpoint at {aside[-1]}", f"rename that to {path.name}")
         raise ConfigError("--resume", text, f"is not a snake checkpoint (no {MANIFEST} in it)", fix)
     try:
         manifest = json.loads((path / MANIFEST).read_text())

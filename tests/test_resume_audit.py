@@ -153,9 +153,10 @@ def test_a_checkpoint_a_crash_left_is_refused_naming_resume(tmp_path, capsys):
     gpt = [*GPT, *WINDOWS, "--steps", "1"]
     assert _run(tmp_path, "first", *gpt, "--checkpoint", str(tmp_path / "ck")) == 0
     shutil.copytree(tmp_path / "ck", tmp_path / "whole")
-    (tmp_path / "ck").rename(tmp_path / ".ck.old-0123456789ab")
-    err = _refused(tmp_path, capsys, *gpt, "--resume", str(tmp_path / "ck"))
-    assert f"left the previous checkpoint at {tmp_path / '.ck.old-0123456789ab'}" in err and "rename that to ck" in err
+    (tmp_path / "ck").rename(tmp_path / ".ck[1].old-0123456789ab")  # (a name with glob characters)
+    err = _refused(tmp_path, capsys, *gpt, "--resume", str(tmp_path / "ck[1]"))
+    assert f"left the previous checkpoint at {tmp_path / '.ck[1].old-0123456789ab'}" in err
+    assert "rename that to ck[1]" in err
     for damage, says in ((lambda d: (d / "layer-00001.safetensors").unlink(), "layer-00001.safetensors is missing"),
                          (lambda d: (d / "rng.safetensors").write_bytes(b"x"), "rng.safetensors has 1 bytes"),
                          (lambda d: (d / "manifest.json").write_text("{"), "manifest.json that does not read")):
