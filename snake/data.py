@@ -54,8 +54,10 @@ class DataSource:
             self._aiter = None
             self._iter = iter(data)
         else:
+            called = f"; pass what calling it gives: data={getattr(data, '__name__', 'f')}()" if callable(data) else ""
             raise DataError(
                 f"data: expected an iterable or async iterable of (inputs, targets), got {type(data).__name__}"
+                + called
             )
         self._peeked: list[Any] = []
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
@@ -91,10 +93,10 @@ class DataSource:
                 raise item.exc  # here, in the data actor's task, which carries it to run()
             self._taken += 1
         if item is _END:
-            raise DataError(
-                f"data: ran out after {self.consumed} global batches; give more batches "
-                "(or an endless iterator) or run fewer steps"
-            )
+            raise DataError(f"data: ran out after {self.consumed} global batches" + (
+                " (it gave none: an iterator that was read to its end before, a generator another loop or "
+                "trainer used up, gives no more)" if self.consumed == 0 else "")
+                + f"; give more batches (or an endless iterator{_EPOCHS}) or run fewer steps")
         self.consumed += 1
         return item
 
@@ -251,6 +253,9 @@ def pair_of(item: Any) -> tuple[Any, Any]:
         raise DataError(
             f"data: each batch must be a pair (inputs, targets) or a mapping with input_ids (and labels, "
             f"attention_mask) as Hugging Face's collators give, got {type(item).__name__}"
+            + (": token ids alone may be given as {'input_ids': ids} (trained on the next token of each, as "
+               "Hugging Face's causal LM loss does), and one batch as data=[(inputs, targets)]"
+               if isinstance(item, torch.Tensor) else "")
         )
     return item[0], item[1]
 

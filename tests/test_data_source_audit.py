@@ -199,3 +199,36 @@ async def test_a_dataloader_of_an_endless_sampler_is_not_held_to_its_length(tmp_
     async with SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path)) as t:
         report = await asyncio.wait_for(t.run(3), 60)
     assert len(report.steps) == 3
+
+
+@pytest.mark.asyncio
+async def test_a_used_up_generator_says_so(tmp_path):
+    """A generator another loop (or trainer) read to its end gives no batch: the error says
+    that is what an iterator read before does, not only "ran out after 0"."""
+    gen = iter(batches(2, 4))
+    list(gen)
+    t = SnakeTrainer(tiny_gpt(n_layer=2), data=gen, config=_config(tmp_path))
+    with pytest.raises(DataError, match=r"ran out after 0 global batches \(it gave none: an iterator that was read"):
+        await t.run(1)
+    await t.close()
+
+
+def _lm_tokens():
+    yield from batches(2, 4)
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (_lm_tokens, r"got function; pass what calling it gives: data=_lm_tokens\(\)"),
+    (batches(1, 4)[0], r"got Tensor: token ids alone may be given as \{'input_ids': ids\} .* data=\[\(inputs, targets\)\]"),
+])
+@pytest.mark.asyncio
+async def test_a_generator_function_or_one_batch_as_data_says_what_to_pass(tmp_path, data, says):
+    """The generator function itself (not called), or one (inputs, targets) batch as the data
+    (whose items are then tensors, as a DataLoader of token-id rows gives): the error says
+    what to pass instead."""
+    with pytest.raises(DataError, match=says):
+        t = SnakeTrainer(tiny_gpt(n_layer=2), data=data, config=_config(tmp_path))
+        try:
+            await t.run(1)
+        finally:
+            await t.close()
