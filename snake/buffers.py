@@ -8,13 +8,17 @@ pressure), never allocating. At the end of a run every pool checks that all came
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import mmap
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 
+from snake.device import register_host_memory
 from snake.errors import Stopped
 from snake.io.base import ALIGN, align_up
 
@@ -41,20 +45,66 @@ class HostBuffer:
 
 
 HUGE_PAGE = 2 << 20  # host buffers this large or larger ask for transparent huge pages
+# page-locks (ptr, nbytes), returning how to undo it, or None where it cannot
+Register = Callable[[int, int], Callable[[], None] | None]
 
 
-def alloc_host(nbytes: int, *, pin: bool) -> HostBuffer:
-    """An aligned host buffer of at least `nbytes` (rounded up to ALIGN)."""
+def alloc_host(nbytes: int, *, pin: bool, register: Register | None = None) -> HostBuffer:
+    """An aligned host buffer of at least `nbytes` (rounded up to ALIGN); `pin`: page-locked
+    for the device's DMA, exactly its size (`mapped`)."""
     n = max(align_up(nbytes), ALIGN)
-    if pin:
+    t = mapped(n, pin=pin, register=register)
+    if t is None:  # CUDA would not register the mapping: torch's (power-of-two) allocator
         raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=True)
         skip = (-raw.data_ptr()) % ALIGN
         return HostBuffer(raw[skip : skip + n], raw)
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if n >= HUGE_PAGE:
+    return HostBuffer(t)
+
+
+def mapped(nbytes: int, *, pin: bool, register: Register | None = None,
+           stop: threading.Event | None = None) -> torch.Tensor | None:
+    """A zeroed uint8 tensor of `nbytes` in an anonymous mapping of its own (page-aligned,
+    so O_DIRECT can take it; huge pages asked for where large). `pin`: also page-locked by
+    `register` (by default `snake.device.register_host_memory`: cudaHostRegister), exactly
+    `nbytes`, where torch's `pin_memory=True` rounds up to a power of two and keeps what it
+    rounded after it is freed. The registration is undone
+    when the last tensor viewing the memory is gone, while it is still mapped. None where
+    `register` refused (the caller falls back to torch's pinned allocator). `stop`: the
+    pages are faulted in ZERO_CHUNK bytes at a time before they are locked, raising
+    Stopped once it is set."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= HUGE_PAGE:
         advise_huge_pages(m)
-    t = torch.frombuffer(m, dtype=torch.uint8)
-    return HostBuffer(t, m)
+    if not pin:
+        return torch.frombuffer(m, dtype=torch.uint8)
+    # the tensors' storage keeps this ctypes view alive, and it keeps the mapping: its
+    # finalizer runs once no tensor uses the memory, and unregisters before the unmap
+    raw = (ctypes.c_uint8 * nbytes).from_buffer(m)
+    t = torch.frombuffer(raw, dtype=torch.uint8)
+    if stop is not None:
+        _fault_in(t, stop)
+    undo = (register or register_host_memory)(t.data_ptr(), nbytes)
+    if undo is None:
+        del t, raw
+        try:
+            m.close()
+        except BufferError:  # still exported somewhere: the mapping goes with its last user
+            pass
+        return None
+    weakref.finalize(raw, _unregister, undo, m)
+    return t
+
+
+def _unregister(undo: Callable[[], None], m: mmap.mmap) -> None:
+    undo()  # `m` is passed only to keep the memory mapped until here
+
+
+def _fault_in(t: torch.Tensor, stop: threading.Event) -> None:
+    step = ZERO_CHUNK
+    for a in range(0, t.numel(), step):
+        if stop.is_set():
+            raise Stopped("allocating host memory cancelled part-way")
+        t[a : a + step].zero_()
 
 
 def advise_huge_pages(m: mmap.mmap) -> None:
@@ -77,11 +127,18 @@ ZERO_CHUNK = 64 << 20
 
 
 def alloc_host_tensor(
-    numel: int, dtype: torch.dtype, *, pin: bool, stop: threading.Event | None = None
+    numel: int, dtype: torch.dtype, *, pin: bool, stop: threading.Event | None = None,
+    register: Register | None = None,
 ) -> torch.Tensor:
-    """A plain host tensor (pinned when CUDA is present), zero-filled. With `stop`: zeroed
-    ZERO_CHUNK bytes at a time, raising Stopped before the next chunk once it is set (fresh
-    pages fill at ~0.3 GiB/s, so a store's CPU heads alone took seconds of an engine's build)."""
+    """A plain host tensor, zero-filled; `pin` (only with CUDA): page-locked, exactly its
+    size (`mapped`). With `stop`: zeroed ZERO_CHUNK bytes at a time, raising Stopped before
+    the next chunk once it is set (fresh pages fill at ~0.3 GiB/s, so a store's CPU heads
+    alone took seconds of an engine's build)."""
+    if pin:
+        esize = torch.empty((), dtype=dtype).element_size()
+        raw = mapped(max(numel * esize, 1), pin=True, register=register, stop=stop)
+        if raw is not None:
+            return raw[: numel * esize].view(dtype)
     if stop is None:
         return torch.zeros(numel, dtype=dtype, pin_memory=pin)
     t = torch.empty(numel, dtype=dtype, pin_memory=pin)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
+import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -46,6 +48,41 @@ def pin_host_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# cudaHostRegisterPortable: page-locked for every CUDA context (as torch's own helper asks)
+HOST_REGISTER_PORTABLE = 1
+
+
+def register_host_memory(ptr: int, nbytes: int) -> Callable[[], None] | None:
+    """Page-lock the host bytes [ptr, ptr + nbytes) for the device's DMA (cudaHostRegister),
+    exactly those: torch's pinned allocator (`pin_memory=True`) rounds each allocation up to
+    the next power of two and keeps it cached after it is freed, so a 40 GB store head took
+    64 GiB of page-locked memory that the memory check and the planner never counted.
+    Returns the function that undoes it (cudaHostUnregister; call it while the bytes are
+    still mapped), or None where CUDA refused (the caller falls back to torch's allocator)."""
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)) != 0:
+        _clear_cuda_error()
+        return None
+
+    def unregister() -> None:
+        int(cudart.cudaHostUnregister(ptr))  # at exit or after a device error: nothing more to do
+
+    return unregister
+
+
+def _clear_cuda_error() -> None:
+    """Reset the runtime's last error after a refused cudaHostRegister, so the next kernel
+    launch's check (which reads cudaGetLastError) does not report it as its own. Best
+    effort: torch's bindings do not expose cudaGetLastError, the runtime library does."""
+    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -79,7 +116,17 @@ def _one_intraop_thread() -> None:
 def synchronize(device: torch.device) -> None:
     """Wait for the device's current stream. Call only off the event loop."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        wait_stream(torch.cuda.current_stream(device))
+
+
+def wait_stream(stream: Any) -> None:
+    """Block this thread until `stream` has done what is queued on it, asleep: a stream's
+    (or a plain event's) synchronize busy-waits on a core (CUDA's default schedule), and the
+    sync, copy and data threads waited so for every job and copy of a GPU-bound run, on the
+    cores the CPU optimizer steps on. A blocking event yields the core instead."""
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    ev.synchronize()
 
 
 class StreamMarks:
@@ -92,7 +139,8 @@ class StreamMarks:
         self.device = device
 
     def mark(self) -> Any:
-        ev = torch.cuda.Event(enable_timing=True)
+        # blocking: `wait` sleeps instead of spinning on a core (`wait_stream`)
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
@@ -144,7 +192,9 @@ class Copier:
             return
         # compute's outputs arrive here only once the device has reached their job's end
         # mark, and buffers it reads are released only then (snake.actors.compute)
-        with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        self.stream.synchronize()
+        try:
+            with torch.cuda.stream(self.stream):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+        finally:  # also after a failed copy: the caller releases these buffers next
+            wait_stream(self.stream)

@@ -165,8 +165,10 @@ class Engine:
         self.unit_views: dict[tuple[str, str, Hashable], torch.Tensor | None] = {}
         try:
             self.stores["param"] = TierStore("param", self.dtype, parts_units, cpu_share=self.placement.param, **store_kw)
+            # the CPU optimizer's alone (masters, moments): it never crosses to the device, so
+            # it is not page-locked (its CPU share of a 13B model is tens of GB)
             self.stores["opt"] = TierStore(
-                "opt", torch.float32, parts_units, cpu_share=self.placement.opt, comps=3, **store_kw
+                "opt", torch.float32, parts_units, cpu_share=self.placement.opt, comps=3, **{**store_kw, "pin": False}
             )
             self.stores["ckpt"] = TierStore(
                 "ckpt", self.hidden_dtype, ckpt_units, cpu_share=self.placement.ckpt, whole_units=True, **store_kw
@@ -351,10 +353,11 @@ class Engine:
         sizes = PoolSizes()
         st = self.stores
 
-        def host_pool(name: str, store: TierStore, count: int) -> BufferPool[HostBuffer] | None:
+        def host_pool(name: str, store: TierStore, count: int, pin: bool = True) -> BufferPool[HostBuffer] | None:
+            """`pin=False`: a pool only the CPU optimizer and the SSD use (never the link)."""
             if store.max_tail_bytes == 0:
                 return None
-            return BufferPool(name, [self._alloc(store.max_tail_bytes) for _ in range(count)])
+            return BufferPool(name, [self._alloc(store.max_tail_bytes, pin=pin) for _ in range(count)])
 
         def grad_slot() -> torch.Tensor:
             if self.device.type == "cpu":  # host memory: zeroed a chunk at a time (`stop`)
@@ -363,14 +366,14 @@ class Engine:
 
         self.pools = {
             "param_in": host_pool("param_in", st["param"], sizes.param_tails),
-            "param_out": host_pool("param_out", st["param"], self.workers),
+            "param_out": host_pool("param_out", st["param"], self.workers, pin=False),
             "ckpt_in": host_pool("ckpt_in", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_in_extra),
             "ckpt_out": host_pool("ckpt_out", st["ckpt"], self.ckpt_ssd_per_layer() + sizes.ckpt_out_extra),
-            "opt": host_pool("opt", st["opt"], sizes.opt_tails(self.workers, self.delayed)),
+            "opt": host_pool("opt", st["opt"], sizes.opt_tails(self.workers, self.delayed), pin=False),
         }
         if "grad" in st:  # the delayed gradients' SSD parts: written by the now-steps, read for the delayed ones
-            self.pools["grad_out"] = host_pool("grad_out", st["grad"], self.workers)
-            self.pools["grad_in"] = host_pool("grad_in", st["grad"], sizes.grad_in_tails)
+            self.pools["grad_out"] = host_pool("grad_out", st["grad"], self.workers, pin=False)
+            self.pools["grad_in"] = host_pool("grad_in", st["grad"], sizes.grad_in_tails, pin=False)
         self.param_slots: BufferPool[torch.Tensor] = BufferPool(
             "device_params",
             # a layer's trained parameters, then its streamed frozen ones (Kernels.slot_params)
@@ -384,11 +387,12 @@ class Engine:
         )
         self._all_pools = [p for p in self.pools.values() if p is not None] + [self.param_slots, self.grad_slots]
 
-    def _alloc(self, nbytes: int) -> HostBuffer:
-        """A staging buffer, unless the build has been cancelled (pinning one takes a while)."""
+    def _alloc(self, nbytes: int, pin: bool = True) -> HostBuffer:
+        """A staging buffer, unless the build has been cancelled (pinning one takes a while);
+        page-locked with CUDA unless `pin=False` (one the link never reads)."""
         if self.stop.is_set():
             raise Stopped("building the engine cancelled part-way")
-        return alloc_host(nbytes, pin=self.pin)
+        return alloc_host(nbytes, pin=self.pin and pin)
 
     def slot_grads(self) -> bool:
         """Vertical on a CPU device: a layer's accumulated gradient goes to its optimizer

@@ -340,3 +340,67 @@ async def test_lora_of_a_streamed_bf16_model_on_cuda(tmp_path):
     assert got["loaded"].keys() == got["streamed"].keys()
     for n, v in got["loaded"].items():
         torch.testing.assert_close(got["streamed"][n], v, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.cuda
+def test_host_buffers_are_pinned_exactly():
+    """snake's pinned host memory is a mapping of its own, registered with cudaHostRegister
+    at its size (torch's pin_memory=True reserves the next power of two, and keeps it
+    cached): page-locked (`is_pinned`), outside torch's host allocator, copied both ways on
+    a side stream, and still registered while a view of it is alive (registering its range
+    again is refused then)."""
+    import gc
+
+    from snake.buffers import alloc_host, alloc_host_tensor
+    from snake.device import register_host_memory, wait_stream
+
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    reserved = stats().get("reserved_bytes.all.current")
+    n = (8 << 20) // 4 + 1024  # 8 MiB + 4 KiB of float32: torch would reserve 16 MiB
+    t = alloc_host_tensor(n, torch.float32, pin=True)
+    buf = alloc_host(8 << 20, pin=True)
+    assert t.is_pinned() and buf.data.is_pinned()
+    if reserved is not None:
+        assert stats().get("reserved_bytes.all.current") == reserved
+    src = torch.arange(n, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        t.copy_(src, non_blocking=True)
+    wait_stream(side)
+    assert torch.equal(t, src.cpu())
+    back = torch.empty_like(src)
+    with torch.cuda.stream(side):
+        back.copy_(t, non_blocking=True)
+    wait_stream(side)
+    assert torch.equal(back, src)
+    ptr, nbytes = t.data_ptr(), n * 4
+    view = t[10:]
+    del t
+    gc.collect()
+    assert register_host_memory(ptr, nbytes) is None  # still registered: its view is alive
+    del view
+    gc.collect()
+    x = torch.ones(4, device="cuda")  # the refused registration left no error for the next launch
+    assert float((x * 2).sum()) == 8.0
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+async def test_only_what_crosses_the_link_is_pinned_on_cuda(tmp_path):
+    """The parameter and checkpoint heads and their staging buffers are page-locked; the
+    optimizer state (the CPU optimizer's alone, 12 bytes per parameter of its CPU share)
+    and the optimizer's staging buffers are not."""
+    cfg = SnakeConfig(device="cuda", offload_dir=tmp_path, micro_batches=2, alpha=0.5,
+                      placement=Placement(param=0.5, ckpt=0.5, opt=0.5, grad=0.5))
+    async with SnakeTrainer(tiny_gpt(), data=batches(2, 4), config=cfg) as t:
+        await t.run(1)
+        e = t.engine
+        assert e.stores["param"].cpu.is_pinned() and e.stores["ckpt"].cpu.is_pinned()
+        assert not e.stores["opt"].cpu.is_pinned()
+        for name in ("param_in", "ckpt_in", "ckpt_out"):
+            pool = e.pools[name]
+            assert pool is not None and all(b.data.is_pinned() for b in pool._free._queue), name
+        for name in ("opt", "param_out", "grad_out", "grad_in"):
+            pool = e.pools.get(name)
+            assert pool is None or not any(b.data.is_pinned() for b in pool._free._queue), name
