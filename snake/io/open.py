@@ -26,8 +26,20 @@ def open_storage(
     auto: kvikio if `use_gds` and CUDA's driver are there, else O_DIRECT if the file system
     takes it, else buffered I/O with a StorageFallbackWarning."""
     path = Path(path)
-    f: StorageFile
-    if backend == "kvikio" or (backend == "auto" and use_gds and kvikio_usable()):
+    f: StorageFile | None = None
+    if backend == "auto" and use_gds and kvikio_usable():
+        try:
+            f = KvikioFile(path, nbytes)
+        except Exception as e:  # chosen, not asked for: the store goes on with O_DIRECT
+            warnings.warn(
+                f"kvikio could not open {path} ({type(e).__name__}: {e}); using POSIX I/O there "
+                "(storage_backend='posix' chooses it without trying kvikio)",
+                StorageFallbackWarning,
+                stacklevel=2,
+            )
+    if f is not None:
+        pass
+    elif backend == "kvikio":
         f = KvikioFile(path, nbytes)
     elif backend == "buffered":
         f = PosixFile(path, nbytes, direct=False)

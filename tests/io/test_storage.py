@@ -152,3 +152,27 @@ def test_large_host_buffers_ask_for_huge_pages():
     big, small = alloc_host(8 << 20, pin=False), alloc_host(64 << 10, pin=False)
     assert "hg" in _vm_flags(big.data.data_ptr())
     assert "hg" not in _vm_flags(small.data.data_ptr())
+
+
+def test_kvikio_that_cannot_open_falls_back_to_posix_when_chosen(tmp_path, monkeypatch):
+    """On CUDA `auto` chooses kvikio; where its CuFile would not open (a driver without
+    cuFile, a file system it refuses) the engine's build failed there. Chosen, not asked
+    for: the store goes on with O_DIRECT and says so. Asked for, it still fails."""
+    import snake.io.open as opening
+
+    class Refused:
+        def __init__(self, path, nbytes):  # type: ignore[no-untyped-def]
+            raise RuntimeError("cuFile: no such driver")
+
+    monkeypatch.setattr(opening, "kvikio_usable", lambda: True)
+    monkeypatch.setattr(opening, "KvikioFile", Refused)
+    with pytest.warns(StorageFallbackWarning, match="kvikio could not open"):
+        f = open_storage(tmp_path / "x.bin", 4 * ALIGN, use_gds=True)
+    assert f.backend == "posix-direct"
+    src, dst = _buf(ALIGN, fill=1), _buf(ALIGN)
+    f.pwrite(src.memoryview(ALIGN), 0)
+    f.pread(dst.memoryview(ALIGN), 0)
+    assert torch.equal(src.data, dst.data)
+    f.close()
+    with pytest.raises(RuntimeError, match="no such driver"):
+        open_storage(tmp_path / "y.bin", ALIGN, backend="kvikio", use_gds=True)
