@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -33,6 +34,41 @@ async def _anext(aiter: AsyncIterator[Any]) -> Any:
         return await anext(aiter, _END)
     except (KeyboardInterrupt, SystemExit) as e:
         return _Interrupt(e)
+
+
+def _next_item(it: Iterator[Any]) -> Any:
+    """`next(it)` (on the data thread), or _END. A DataLoader iterator's error holds no
+    reference to it: the frames of its own methods in the traceback (whose `self` it is)
+    have their locals cleared, their lines kept. A service that keeps a failed job's
+    exception kept the iterator through them, and with it the DataLoader's worker
+    processes. (The frames of other iterators, which may be the user's code, are left as
+    they are, as `snake.errors.release_frames` leaves them.)"""
+    try:
+        return next(it, _END)
+    except BaseException as exc:
+        if type(it).__module__ == "torch.utils.data.dataloader":
+            _drop_frames_holding(exc, it)
+        del it
+        raise
+
+
+def _drop_frames_holding(exc: BaseException, obj: object) -> None:
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            # its referents, not f_locals, which would keep a snapshot of them in the frame
+            if any(v is obj for v in gc.get_referents(frame)):
+                with contextlib.suppress(RuntimeError):  # a frame still running (_next_item's own)
+                    frame.clear()
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
 
 
 class DataSource:
@@ -80,7 +116,7 @@ class DataSource:
                 pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
             elif pending is None:
                 assert self._iter is not None
-                self._call = executor.submit(next, self._iter, _END)
+                self._call = executor.submit(_next_item, self._iter)
                 pending = self._pending = asyncio.wrap_future(self._call)
             try:
                 item = await asyncio.shield(pending)
