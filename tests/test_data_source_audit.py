@@ -5,6 +5,7 @@ one buffer. Each test failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import weakref
@@ -23,17 +24,25 @@ def _config(tmp_path) -> SnakeConfig:
     return SnakeConfig(micro_batches=2, alpha=0.0, device="cpu", offload_dir=tmp_path / "off")
 
 
-def _workers() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+def _children() -> set[int]:
+    """This process's live child processes (a DataLoader's workers)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+    return out
 
 
 class _Rows(Dataset):
-    """Rows of `batches(n, 4)`, one (inputs, targets) pair of a sequence each; index `bad` on
-    raises (a corrupt record) in the DataLoader's worker."""
+    """Rows of `batches(n, 4)`, one (inputs, targets) pair of a sequence each, each after
+    `delay_s` (a record read and decoded); index `bad` on raises (a corrupt record) in the
+    DataLoader's worker."""
 
-    def __init__(self, n: int, bad: int | None = None) -> None:
+    def __init__(self, n: int, bad: int | None = None, delay_s: float = 0.0) -> None:
         self.rows = [(x[i], y[i]) for x, y in batches(n, 4) for i in range(4)]
         self.bad = bad
+        self.delay_s = delay_s
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -41,6 +50,7 @@ class _Rows(Dataset):
     def __getitem__(self, i: int):
         if self.bad is not None and i >= self.bad:
             raise ValueError(f"a corrupt record at {i}")
+        time.sleep(self.delay_s)
         return self.rows[i]
 
 
@@ -59,17 +69,19 @@ async def test_a_dataloader_whose_worker_failed_ends_its_workers_with_the_traine
     Before, the last next()'s future kept the error, whose traceback holds the iterator (in
     the frames of its own methods), so the two workers lived on after close(), as long as
     the trainer, and then as long as the exception."""
+    before = _children()
     loader = DataLoader(_Rows(12, bad=5 * 4), batch_size=4, num_workers=2)
     t = SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path))
     it = weakref.ref(t.source._iter)
-    assert len(_workers()) == 2
+    workers = _children() - before
+    assert len(workers) == 2
     with pytest.raises(ActorFailed, match=r"'data' failed at iteration=5: ValueError: Caught ValueError") as failed:
         await asyncio.wait_for(t.run(8), 60)
     kept = failed.value
     gc.collect()
     assert it() is None  # without close(): the failed run closed the trainer
     assert "a corrupt record at 20" in str(kept.__cause__)
-    assert await _until(lambda: not _workers()), _workers()
+    assert await _until(lambda: not workers & _children()), workers & _children()
     await t.close()
 
 
@@ -236,3 +248,49 @@ async def test_a_generator_function_or_one_batch_as_data_says_what_to_pass(tmp_p
             await t.run(1)
         finally:
             await t.close()
+
+
+@pytest.mark.parametrize("how", ["closed", "cancelled"])
+@pytest.mark.asyncio
+async def test_a_dataloaders_workers_end_with_the_trainer(tmp_path, how):
+    """A DataLoader with two worker processes trains, and its workers end with the trainer:
+    at close() after a run, and after a run cancelled while its next() waits for them (that
+    next() returns on its thread, and the iterator goes with it)."""
+    before = _children()
+    loader = DataLoader(_Rows(40, delay_s=0.0 if how == "closed" else 0.1), batch_size=4, num_workers=2)
+    t = SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path))
+    workers = _children() - before
+    assert len(workers) == 2
+    if how == "closed":
+        report = await asyncio.wait_for(t.run(3), 60)
+        assert len(report.steps) == 3
+    else:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.5):
+                await t.run(40)
+    await t.close()
+    gc.collect()
+    assert await _until(lambda: not workers & _children()), workers & _children()
+
+
+@pytest.mark.asyncio
+async def test_runs_of_an_endless_async_generator_take_each_batch_once(tmp_path):
+    """The data actor reads ahead of the step running, within a run only: over run(2),
+    run(3), run(1) an endless async generator is read 6 times, and each step trains on its
+    own batch (the losses of one plain PyTorch loop over them)."""
+    data = batches(8, 4)
+    taken = []
+
+    async def endless():
+        for i in range(10**9):
+            taken.append(i)
+            yield data[i % len(data)]
+
+    _, want = reference(tiny_gpt(n_layer=2), data[:6], 2)
+    losses = []
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=endless(), config=_config(tmp_path)) as t:
+        for steps in (2, 3, 1):
+            report = await asyncio.wait_for(t.run(steps), 60)
+            losses += [s.loss for s in report.steps]
+            assert len(taken) == len(losses)
+    assert losses == pytest.approx(want, rel=1e-5)
