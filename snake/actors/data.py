@@ -1,5 +1,7 @@
-"""The data actor: pulls global batches from the user's data, validates and splits them,
-and hands them to compute one iteration ahead.
+"""The data actor: pulls global batches from the user's data, validates and splits them
+(into copies of their own: a loader may refill its tensors), and hands them to compute: at
+most two ahead of the step running (one in the `batches` mailbox of one, one waiting to be
+put), and only this run's (a run reads as many batches as it has steps).
 
 | consumes  | the user's iterable / async iterable                                   |
 | produces  | BatchReady -> compute                                                  |
