@@ -233,8 +233,8 @@ def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
         return len(data), None
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None, None  # an IterableDataset's len(), where it has one, is the user's estimate
-    if not all(type(s).__module__.startswith("torch.utils.data") for s in (data.sampler, data.batch_sampler)
-               if s is not None):
+    samplers = (data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None))
+    if not all(type(s).__module__.startswith("torch.utils.data") for s in samplers if s is not None):
         return None, None  # a sampler of the user's may go on past its len() (an endless one)
     try:
         n = len(data)

@@ -207,10 +207,15 @@ class _Endless(torch.utils.data.Sampler):
             i += 1
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.asyncio
-async def test_a_dataloader_of_an_endless_sampler_is_not_held_to_its_length(tmp_path):
+async def test_a_dataloader_of_an_endless_sampler_is_not_held_to_its_length(tmp_path, batched):
     (x, y), = batches(1, 8)
-    loader = DataLoader(TensorDataset(x, y), batch_size=4, sampler=_Endless(8))
+    if batched:  # in torch's BatchSampler
+        sampler = torch.utils.data.BatchSampler(_Endless(8), batch_size=4, drop_last=False)
+        loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler)
+    else:
+        loader = DataLoader(TensorDataset(x, y), batch_size=4, sampler=_Endless(8))
     assert len(loader) == 2
     async with SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path)) as t:
         report = await asyncio.wait_for(t.run(3), 60)
