@@ -312,7 +312,7 @@ def _hf_pair(batch: Mapping[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     ids, labels, mask = (batch.get(k) for k in HF_KEYS)
     for name, x in (("input_ids", ids), ("labels", labels), ("attention_mask", mask)):
         if x is not None and not isinstance(x, torch.Tensor):
-            raise DataError(f"data: batch[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
+            raise DataError(f"data: batch[{name!r}] must be a torch.Tensor, got {type(x).__name__}{_as_tensor(x)}")
     assert isinstance(ids, torch.Tensor)
     if ids.dim() != 2:
         raise DataError(f"data: batch['input_ids'] must have shape (batch, seq), got {tuple(ids.shape)}")
@@ -350,6 +350,16 @@ def _hf_pair(batch: Mapping[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.cat([labels[:, 1:], pad], dim=1)
 
 
+def _as_tensor(x: Any) -> str:
+    """How to make `x` (not a tensor) one, for a DataError."""
+    if type(x).__module__ == "numpy":
+        return "; convert it with torch.from_numpy(x).long()"
+    if isinstance(x, list):
+        return ("; convert it with torch.tensor(x) (a Hugging Face tokenizer or collator gives tensors with "
+                "return_tensors='pt')")
+    return ""
+
+
 def split_batch(
     item: Any,
     *,
@@ -364,7 +374,7 @@ def split_batch(
     inputs, targets = pair_of(item)
     for name, x in (("inputs", inputs), ("targets", targets)):
         if not isinstance(x, torch.Tensor):
-            raise DataError(f"data: batch {name} must be a torch.Tensor, got {type(x).__name__}")
+            raise DataError(f"data: batch {name} must be a torch.Tensor, got {type(x).__name__}{_as_tensor(x)}")
         if x.layout != torch.strided or x.is_nested:
             got = "a nested tensor" if x.is_nested else f"a {x.layout} tensor"
             raise DataError(f"data: batch {name} must be a dense (strided) tensor, got {got}; convert it with "
