@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from snake.blocking import retrieved
 from snake.errors import DataError
@@ -90,10 +90,14 @@ class DataSource:
             self._aiter = None
             self._iter = iter(data)
         else:
-            called = f"; pass what calling it gives: data={getattr(data, '__name__', 'f')}()" if callable(data) else ""
+            if isinstance(data, Dataset):  # map-style: indexed, not iterated
+                fix = "; a Dataset of rows is batched by a DataLoader: data=DataLoader(dataset, batch_size=..., drop_last=True)"
+            elif callable(data):
+                fix = f"; pass what calling it gives: data={getattr(data, '__name__', 'f')}()"
+            else:
+                fix = ""
             raise DataError(
-                f"data: expected an iterable or async iterable of (inputs, targets), got {type(data).__name__}"
-                + called
+                f"data: expected an iterable or async iterable of (inputs, targets), got {type(data).__name__}{fix}"
             )
         self._peeked: list[Any] = []
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running

@@ -243,12 +243,13 @@ def _lm_tokens():
     (batches(1, 4)[0], r"got Tensor: token ids alone may be given as \{'input_ids': ids\} .* data=\[\(inputs, targets\)\]"),
     ([(x.numpy(), y.numpy()) for x, y in batches(1, 4)], r"got ndarray; convert it with torch.from_numpy\(x\).long\(\)"),
     ([{"input_ids": x.tolist()} for x, _ in batches(1, 4)], r"got list; convert it with torch.tensor\(x\) .*return_tensors='pt'"),
+    (_Rows(2), r"got _Rows; a Dataset of rows is batched by a DataLoader: data=DataLoader\(dataset, batch_size"),
 ])
 @pytest.mark.asyncio
 async def test_a_generator_function_or_one_batch_as_data_says_what_to_pass(tmp_path, data, says):
     """The generator function itself (not called), one (inputs, targets) batch as the data
-    (whose items are then tensors, as a DataLoader of token-id rows gives), numpy arrays or
-    a tokenizer's lists: the error says what to pass instead."""
+    (whose items are then tensors, as a DataLoader of token-id rows gives), numpy arrays, a
+    tokenizer's lists, a map-style Dataset: the error says what to pass instead."""
     with pytest.raises(DataError, match=says):
         t = SnakeTrainer(tiny_gpt(n_layer=2), data=data, config=_config(tmp_path))
         try:
