@@ -53,6 +53,7 @@ def _next_item(it: Iterator[Any]) -> Any:
 
 
 def _drop_frames_holding(exc: BaseException, obj: object) -> None:
+    """Clear the frames in `exc`'s traceback (and its cause's and context's) that hold `obj`."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -230,9 +231,9 @@ _EPOCHS = ": several epochs of a DataLoader are `(b for _ in range(epochs) for b
 
 def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
     """How many batches `data` gives where it says so (a list or tuple; a DataLoader of a
-    map-style dataset with torch's samplers, whose len() is exact), and (rows, batch_size) of a DataLoader's
-    short last batch (drop_last=False over a sampler whose length is not a multiple of
-    batch_size), else (None, None)."""
+    map-style dataset with torch's samplers, whose len() is exact), and (rows, batch_size)
+    of a DataLoader's short last batch (drop_last=False over a sampler whose length is not
+    a multiple of batch_size), else (None, None)."""
     if isinstance(data, Sequence):
         return len(data), None
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
