@@ -31,7 +31,7 @@ import torch
 from snake.blocking import retrieved, run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.data import Vocab, check_container, split_batch
-from snake.device import helper_thread_init, synchronize
+from snake.device import Copier, helper_thread_init, synchronize
 from snake.errors import ConfigError, DataError
 from snake.io.base import align_up
 
@@ -222,9 +222,12 @@ async def _one_pass(e: Engine, group: list[_Batch]) -> list[tuple[float, int]]:
     buf = pool.try_acquire() if pool is not None else None
     assert slots and (pool is None or buf is not None), "a run's buffers are out (internal error)"
     hs = [h for b in group for h in b.hs]
+    # on CUDA the loads' copies go on a stream of their own: on the I/O thread's default
+    # stream, the compute stream, each waited behind the layer running, and none overlapped it
+    copier = Copier(e.device)
 
     def load(layer: int) -> asyncio.Future[torch.Tensor]:
-        return asyncio.ensure_future(_load_traced(e, layer, slots[layer % len(slots)], buf))
+        return asyncio.ensure_future(_load_traced(e, layer, slots[layer % len(slots)], buf, copier))
 
     ahead: asyncio.Future[torch.Tensor] | None = None
     try:
@@ -249,10 +252,11 @@ async def _one_pass(e: Engine, group: list[_Batch]) -> list[tuple[float, int]]:
             pool.release(buf)
 
 
-async def _load_traced(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None) -> torch.Tensor:
+async def _load_traced(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None,
+                       copier: Copier) -> torch.Tensor:
     times: list[tuple[str, float, float, str, int]] = []
     try:
-        params = await run_blocking(e.executors["io"], _load, e, layer, slot, buf, times)
+        params = await run_blocking(e.executors["io"], _load, e, layer, slot, buf, times, copier)
     finally:
         # each copy is moved too (the link's totals: moved >= copied, as in training); not
         # the training step's Traffic, which counts per iteration (`trainer.traffic()`)
@@ -357,12 +361,14 @@ def _head(e: Engine, hs: list[torch.Tensor], tgs: list[torch.Tensor]) -> tuple[f
 
 
 def _load(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None,
-          times: list[tuple[str, float, float, str, int]]) -> torch.Tensor:
+          times: list[tuple[str, float, float, str, int]], copier: Copier) -> torch.Tensor:
     """Blocking: `layer`'s parameters in the compute dtype as the device mover lays them out:
     a view of the CPU store where the device is the CPU and the layer has no SSD part, else
     `slot` filled with its CPU heads, its SSD tails (read through `buf`) and its streamed
-    frozen parameters. Appends to `times` the spans of its reads and copies (the event loop
-    adds them to the trace)."""
+    frozen parameters, by `copier` (on CUDA its own stream, waited for before this returns;
+    the slot's last reader, the layer before the one before, was waited for by `_layer`).
+    Appends to `times` the spans of its reads and copies (the event loop adds them to the
+    trace)."""
     store = e.stores["param"]
     now = e.tracer.now
     units = [store.unit((layer, part)) for part, n in enumerate(e.layer_parts[layer]) if n or not e.layer_P[layer]]
@@ -370,20 +376,23 @@ def _load(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffer | None,
         first = units[0].head_offset
         return store.cpu[first : first + e.layer_P[layer]]
     off, start = 0, now()
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
         for u in units:
-            slot[off : off + u.k].copy_(store.head(u)[0])
+            pairs.append((slot[off : off + u.k], store.head(u)[0]))
             if u.tail_n:
                 assert buf is not None
+                copier.copy(pairs)  # (waited for: `buf` takes the next tail)
+                pairs = []
                 r0 = now()
                 store.read_tail(u, buf)
                 times.append(("ssd_read", r0, now(), "ssd->cpu", store.tail_bytes(u)))
-                slot[off + u.k : off + u.n].copy_(store.tail(u, buf)[0])
+                copier.copy([(slot[off + u.k : off + u.n], store.tail(u, buf)[0])])
             off += u.n
         frozen = e.kernels.frozen_host[layer]
         if frozen is not None and e.device.type != "cpu":  # a CPU device reads them in place
-            slot[off : off + frozen.numel()].copy_(frozen)
+            pairs.append((slot[off : off + frozen.numel()], frozen))
             off += frozen.numel()
-    synchronize(e.device)
+        copier.copy(pairs)
     times.append(("h2d", start, now(), "cpu->gpu", off * slot.element_size()))
     return slot

@@ -404,3 +404,24 @@ async def test_only_what_crosses_the_link_is_pinned_on_cuda(tmp_path):
         for name in ("opt", "param_out", "grad_out", "grad_in"):
             pool = e.pools.get(name)
             assert pool is None or not any(b.data.is_pinned() for b in pool._free._queue), name
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+async def test_evaluate_loads_the_next_layer_while_one_runs_on_cuda(tmp_path):
+    """evaluate()'s loads copied on the I/O thread's default stream, the compute stream:
+    each copy queued behind the layer running and waited for it, so a load ended only with
+    the layer before (`eval param L{l+1}` ending after `eval fwd L{l}`). On a stream of
+    their own they end while it runs, for a model whose layers' compute is long beside its
+    parameters (a wide batch of a narrow model)."""
+    model = tiny_gpt(n_layer=6, n_embd=64)
+    cfg = SnakeConfig(micro_batches=1, offload_dir=tmp_path, device="cuda",
+                      placement=Placement(param=1.0, ckpt=1.0, opt=1.0))
+    big = [(x.repeat(64, 1), y.repeat(64, 1)) for x, y in batches(2, 8)]
+    async with SnakeTrainer(model, data=batches(2, 8), config=cfg) as t:
+        await t.run(1)
+        await t.evaluate(big, batches_per_pass=2)
+        spans = {s.name: s for s in t.trace.spans if s.name.startswith(("eval param L", "eval fwd L"))}
+    early = [layer for layer in range(5)
+             if spans[f"eval param L{layer + 1}"].end_s < spans[f"eval fwd L{layer}"].end_s]
+    assert len(early) >= 4, {k: (round(s.start_s, 4), round(s.end_s, 4)) for k, s in spans.items()}
