@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -91,12 +92,15 @@ def mapped(nbytes: int, *, pin: bool, register: Register | None = None,
         except BufferError:  # still exported somewhere: the mapping goes with its last user
             pass
         return None
-    weakref.finalize(raw, _unregister, undo, m)
+    # not at exit (the process's end releases it), nor in a forked child (a DataLoader's
+    # worker), which has no CUDA of its own
+    weakref.finalize(raw, _unregister, undo, m, os.getpid()).atexit = False
     return t
 
 
-def _unregister(undo: Callable[[], None], m: mmap.mmap) -> None:
-    undo()  # `m` is passed only to keep the memory mapped until here
+def _unregister(undo: Callable[[], None], m: mmap.mmap, pid: int) -> None:
+    if os.getpid() == pid:
+        undo()  # `m` is passed only to keep the memory mapped until here
 
 
 def _fault_in(t: torch.Tensor, stop: threading.Event) -> None:

@@ -94,6 +94,36 @@ def test_the_registration_is_undone_when_the_last_view_goes_while_still_mapped()
     assert not _is_mapped(ptr, 1 << 20)  # and then the mapping went
 
 
+def test_a_forked_child_does_not_unregister_its_parents_memory():
+    """A DataLoader worker is a fork: its copy of a pinned buffer, collected there, must not
+    call into CUDA (the child has none of its own)."""
+    import os
+
+    calls: list[int] = []
+
+    def register(ptr: int, nbytes: int):  # type: ignore[no-untyped-def]
+        return lambda: calls.append(os.getpid())
+
+    t = alloc_host_tensor(4096, torch.uint8, pin=True, register=register)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop its copy, report whether it unregistered
+        try:
+            del t
+            gc.collect()
+            os.write(w, str(len(calls)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 16)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"0"
+    del t
+    gc.collect()
+    assert calls == [os.getpid()]
+
+
 def test_a_refused_registration_returns_none_and_keeps_no_mapping():
     reg = Registrar(refuse=True)
     before = len(_mapped_ranges())
