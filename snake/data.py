@@ -30,10 +30,30 @@ class _Interrupt:
 
 
 async def _anext(aiter: AsyncIterator[Any]) -> Any:
+    before = torch.is_inference_mode_enabled()
     try:
-        return await anext(aiter, _END)
+        item = await anext(aiter, _END)
     except (KeyboardInterrupt, SystemExit) as e:
         return _Interrupt(e)
+    _check_mode_left(before)
+    return item
+
+
+def _check_mode_left(before: bool) -> None:
+    """DataError where the user's next() returned with torch.inference_mode turned on in the
+    thread that called it (snake's data thread, or the event loop's for an async iterator):
+    a generator that yields inside `with torch.inference_mode():` leaves it on there while it
+    is suspended (the mode is the thread's, not the generator's), and the engine built
+    on that thread, or the tensors made on the loop, were inference tensors: the run failed
+    deep inside, in-place updates or autograd refused. (In a plain loop the training step
+    would run in inference mode too, and fail.)"""
+    if torch.is_inference_mode_enabled() and not before:
+        raise DataError(
+            "data: the iterator's next() returned with torch.inference_mode on: it yields inside a `with "
+            "torch.inference_mode():` block, which stays on in the thread that reads it (a plain training loop "
+            "would then run its step in inference mode too); make each batch inside the block and yield it "
+            "after the block"
+        )
 
 
 def _next_item(it: Iterator[Any]) -> Any:
@@ -43,13 +63,16 @@ def _next_item(it: Iterator[Any]) -> Any:
     exception kept the iterator through them, and with it the DataLoader's worker
     processes. (The frames of other iterators, which may be the user's code, are left as
     they are, as `snake.errors.release_frames` leaves them.)"""
+    before = torch.is_inference_mode_enabled()
     try:
-        return next(it, _END)
+        item = next(it, _END)
     except BaseException as exc:
         if type(it).__module__ == "torch.utils.data.dataloader":
             _drop_frames_holding(exc, it)
         del it
         raise
+    _check_mode_left(before)
+    return item
 
 
 def _drop_frames_holding(exc: BaseException, obj: object) -> None:

@@ -302,3 +302,30 @@ async def test_runs_of_an_endless_async_generator_take_each_batch_once(tmp_path)
             losses += [s.loss for s in report.steps]
             assert len(taken) == len(losses)
     assert losses == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.asyncio
+async def test_a_source_that_yields_inside_inference_mode_is_named(tmp_path, kind):
+    """A generator that yields inside `with torch.inference_mode():` leaves the mode on in the
+    thread that reads it (snake's data thread; the event loop's for an async one): the
+    engine built there, or tensors made on the loop, were inference tensors, and the run
+    failed deep inside ("Inplace update to inference tensor outside InferenceMode", raised
+    from the initial weights' copy). Now a DataError says what to change."""
+    def sync_source():
+        with torch.inference_mode():
+            yield from batches(3, 4)
+
+    async def async_source():
+        with torch.inference_mode():
+            for b in batches(3, 4):
+                yield b
+
+    t = SnakeTrainer(tiny_gpt(n_layer=2), data=sync_source() if kind == "sync" else async_source(),
+                     config=_config(tmp_path))
+    try:
+        with pytest.raises(DataError, match=r"returned with torch.inference_mode on: it yields inside .* after the"):
+            await asyncio.wait_for(t.run(2), 60)
+    finally:
+        await t.close()
+    assert not torch.is_inference_mode_enabled()
