@@ -78,6 +78,13 @@ def mapped(nbytes: int, *, pin: bool, register: Register | None = None,
         advise_huge_pages(m)
     if not pin:
         return torch.frombuffer(m, dtype=torch.uint8)
+    # not in a forked child (a DataLoader's worker), as RDMA registrations do (ibv_fork_init):
+    # a fork makes a page-locked private page copy-on-write, and the parent's next write then
+    # moves it away from the page the device reads, or (Linux 5.9 on, for pinned pages)
+    # copies it into the child at the fork, each worker taking a copy of every pinned buffer
+    dontfork = getattr(mmap, "MADV_DONTFORK", None)
+    if dontfork is not None:
+        m.madvise(dontfork)
     # the tensors' storage keeps this ctypes view alive, and it keeps the mapping: its
     # finalizer runs once no tensor uses the memory, and unregisters before the unmap
     raw = (ctypes.c_uint8 * nbytes).from_buffer(m)
