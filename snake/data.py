@@ -249,7 +249,7 @@ class DataSource:
         return item
 
 
-_EPOCHS = ": several epochs of a DataLoader are `(b for _ in range(epochs) for b in loader)`"
+_EPOCHS = ": several epochs of a DataLoader or a list are `(b for _ in range(epochs) for b in loader)`"
 
 
 def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
