@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -56,16 +57,25 @@ def _check_mode_left(before: bool) -> None:
         )
 
 
-def _next_item(it: Iterator[Any]) -> Any:
+def _next_item(it: Iterator[Any], lock: threading.Lock | None = None, drew: list[bool] | None = None) -> Any:
     """`next(it)` (on the data thread), or _END. A DataLoader iterator's error holds no
     reference to it: the frames of its own methods in the traceback (whose `self` it is)
     have their locals cleared, their lines kept. A service that keeps a failed job's
     exception kept the iterator through them, and with it the DataLoader's worker
     processes. (The frames of other iterators, which may be the user's code, are left as
-    they are, as `snake.errors.release_frames` leaves them.)"""
+    they are, as `snake.errors.release_frames` leaves them.) `lock`: held throughout
+    (`DataSource.rng_lock`). `drew`: appended to, whether the call drew from torch's global
+    CPU generator (its state changed; alone in the process: nothing else may use it)."""
     before = torch.is_inference_mode_enabled()
+    state = torch.default_generator.get_state() if drew is not None else None
     try:
-        item = next(it, _END)
+        if lock is None:
+            item = next(it, _END)
+        else:  # out of the compute thread's seeded stretches of the global generator
+            with lock:
+                item = next(it, _END)
+        if state is not None and drew is not None:
+            drew.append(not torch.equal(state, torch.default_generator.get_state()))
     except BaseException as exc:
         if type(it).__module__ == "torch.utils.data.dataloader":
             _drop_frames_holding(exc, it)
@@ -131,8 +141,16 @@ class DataSource:
         # has: run() checks there are enough
         self._len, self._short_last = _known_length(data)
         self._taken = 0  # items taken from the iterator (load(skip_data=False) does not count)
+        # on a CPU device the engine's `Kernels.rng_lock`: a sync next() of a source that
+        # draws from torch's global generator (`draws_rng`) holds it, so that its draws never
+        # fall in the compute thread's seeded stretches of it (an async source's run on the
+        # loop: not covered). Whether it draws is seen at the first batch (`peek`), read
+        # before anything else runs; a source that does not draws without the lock, so that
+        # a slow or blocked one does not hold the compute thread up
+        self.rng_lock: threading.Lock | None = None
+        self.draws_rng = False
 
-    async def next(self, executor: Executor) -> Any:
+    async def next(self, executor: Executor, drew: list[bool] | None = None) -> Any:
         if self._peeked:
             item = self._peeked.pop()
         else:
@@ -144,7 +162,8 @@ class DataSource:
                 pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
             elif pending is None:
                 assert self._iter is not None
-                self._call = executor.submit(_next_item, self._iter)
+                lock = self.rng_lock if self.draws_rng else None
+                self._call = executor.submit(_next_item, self._iter, lock, drew)
                 pending = self._pending = asyncio.wrap_future(self._call)
             try:
                 item = await asyncio.shield(pending)
@@ -243,7 +262,12 @@ class DataSource:
         return not self.fetching()
 
     async def peek(self, executor: Executor) -> Any:
-        item = await self.next(executor)
+        """The next batch, handed out again by the next `next()`. Called first before
+        anything else runs (the trainer's build): it also sees whether the data draws
+        from torch's global generator (`draws_rng`)."""
+        drew: list[bool] = []
+        item = await self.next(executor, drew)
+        self.draws_rng = self.draws_rng or any(drew)
         self.consumed -= 1
         self._peeked.append(item)
         return item

@@ -102,10 +102,17 @@ class Kernels:
         self.checks_overflow = config.dtype == "float16" and not isinstance(static, DynamicLossScale)
         self.seed = config.seed
         self.n_micro = n_micro
-        self.generators: list[torch.Generator] = [torch.default_generator]
+        # the generator dropout draws from on the device: on CUDA the device's alone. torch's
+        # global CPU generator is the one a data source's torch.randint (or a DataLoader's
+        # shuffle) draws from on the data thread while this one seeds it: on CUDA it is left
+        # alone; on a CPU device, where dropout draws from it, `rng_lock` keeps the data's
+        # next() out of the seeded stretches (`rng`)
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self.generators.append(torch.cuda.default_generators[index])
+            self.generators: list[torch.Generator] = [torch.cuda.default_generators[index]]
+        else:
+            self.generators = [torch.default_generator]
+        self.rng_lock: threading.Lock | None = threading.Lock() if device.type == "cpu" else None
         self.opt = config.optimizer
         self.parts = parts
         # which trained parameters take weight decay (`AdamW.no_decay`): per layer one flag
@@ -345,20 +352,32 @@ class Kernels:
 
     @contextlib.contextmanager
     def rng(self, t: int, layer: int, m: int) -> Iterator[None]:
-        """Seed the generators dropout draws from (CPU, and the device's on CUDA) for this
-        (iteration, layer, micro-batch), and put their states back afterwards. Works on the
+        """Seed the generator dropout draws from (the CPU's, or on CUDA the device's) for
+        this (iteration, layer, micro-batch), and put its state back afterwards; on a CPU
+        device holding `rng_lock` throughout, which a sync data source's next() takes too
+        (`DataSource.rng_lock`): its draws from the same generator (torch.randint without a
+        generator, a shuffling DataLoader) came out of the seeded states at times, so the
+        batches depended on timing, and a draw between the seeding and the dropout changed
+        the forward's mask from the recompute's. Works on the
         generators directly: `torch.random.fork_rng` + `torch.manual_seed` cost 0.1-1 ms per
         call (the latter queues a lazy CUDA seeding with a formatted stack trace), a third of
         a small micro-batch's block forward on a CPU."""
         seed = self.seed_for(t, layer, m) % (2**63)
-        states = [g.get_state() for g in self.generators]
-        for g in self.generators:
-            g.manual_seed(seed)
+        lock = self.rng_lock
+        if lock is not None:  # a data source's draws wait (see `generators`)
+            lock.acquire()
         try:
-            yield
+            states = [g.get_state() for g in self.generators]
+            for g in self.generators:
+                g.manual_seed(seed)
+            try:
+                yield
+            finally:
+                for g, state in zip(self.generators, states, strict=True):
+                    g.set_state(state)
         finally:
-            for g, state in zip(self.generators, states, strict=True):
-                g.set_state(state)
+            if lock is not None:
+                lock.release()
 
     def bind(self, tensors: list[torch.Tensor], layer: int, frozen: Sequence[torch.Tensor] = ()) -> nn.Module:
         """The shell block of `layer`'s kind as layer `layer`: `tensors` as its trained

@@ -503,6 +503,9 @@ class SnakeTrainer:
             raise
         self.engine = engine
         self.config = cfg
+        # a sync source's next() and the compute thread's seeded stretches of torch's global
+        # generator take turns on a CPU device (`Kernels.rng`)
+        self.source.rng_lock = engine.kernels.rng_lock
         stop = threading.Event()
         try:
             await run_blocking(engine.executors["io"], engine.load_initial_weights, stop, on_cancel=stop.set)
@@ -523,8 +526,10 @@ class SnakeTrainer:
             expect_shape=None, vocab=self._vocab,
         )
         model = self.parts.model
-        with torch.no_grad():
-            mdev = real_param(model).device
+        mdev = real_param(model).device
+        # the embedding's dropout draws from torch's global generator: put back as it was, a
+        # data source drawing from it (nanoGPT's get_batch) gets the stream it would alone
+        with torch.no_grad(), torch.random.fork_rng(devices=[mdev] if mdev.type == "cuda" else []):
             return self.parts.pre(model, ins[0].to(mdev)).shape
 
     def _check_memory(self, cfg: SnakeConfig, first: Any) -> None:

@@ -425,3 +425,26 @@ async def test_evaluate_loads_the_next_layer_while_one_runs_on_cuda(tmp_path):
     early = [layer for layer in range(5)
              if spans[f"eval param L{layer + 1}"].end_s < spans[f"eval fwd L{layer}"].end_s]
     assert len(early) >= 4, {k: (round(s.start_s, 4), round(s.end_s, 4)) for k, s in spans.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.asyncio
+async def test_data_drawn_from_the_global_generator_is_left_alone_on_cuda(tmp_path):
+    """On CUDA dropout draws from the device's generator, and the compute thread no longer
+    seeds torch's global CPU one around each block: a source drawing from it (nanoGPT's
+    get_batch) gets the batches it gives read alone, without taking turns with compute."""
+    import asyncio
+
+    from tests.test_data_rng import random_windows
+
+    steps = 12
+    torch.manual_seed(1234)
+    want = [x for x, _ in random_windows(steps)]
+    model = tiny_gpt(n_layer=4, dropout=0.2)
+    torch.manual_seed(1234)
+    seen: list[torch.Tensor] = []
+    cfg = SnakeConfig(device="cuda", micro_batches=4, alpha=0.5, offload_dir=tmp_path)
+    async with SnakeTrainer(model, data=random_windows(steps, seen), config=cfg) as t:
+        await asyncio.wait_for(t.run(steps), 120)
+        assert t.engine.kernels.rng_lock is None
+    assert all(torch.equal(a, b) for a, b in zip(seen, want, strict=True))
