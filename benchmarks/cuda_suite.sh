@@ -43,10 +43,14 @@ failed=()
 for part in "${parts[@]}"; do
   echo "== $part"
   # a failing part (a CUDA test, one benchmark) is reported at the end and the parts after
-  # it still run: the lease is short. (In the background so that `set -e` holds inside it:
-  # bash ignores it in a subshell whose status an `if` or `||` tests.)
-  (set -euo pipefail; run_part "$part") &
-  if ! wait $!; then
+  # it still run: the lease is short. (The subshell's status is read from $?, not tested by
+  # an `if` or `||`, in which bash would ignore `set -e` inside it; in the foreground, so
+  # that Ctrl-C stops it too.)
+  set +e
+  (set -euo pipefail; run_part "$part")
+  rc=$?
+  set -e
+  if [ "$rc" -ne 0 ]; then
     failed+=("$part")
     echo "== $part FAILED (going on)"
   fi

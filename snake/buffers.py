@@ -108,6 +108,11 @@ def mapped(nbytes: int, *, pin: bool, register: Register | None = None,
 def _unregister(undo: Callable[[], None], m: mmap.mmap, pid: int) -> None:
     if os.getpid() == pid:
         undo()  # `m` is passed only to keep the memory mapped until here
+        return
+    # a forked child (a DataLoader's worker): the mapping was not forked (MADV_DONTFORK),
+    # and the child may have mapped its own memory at that address since; dropping `m` here
+    # would unmap that under it. Its mmap object is kept for the child's life instead.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(m))
 
 
 def _fault_in(t: torch.Tensor, stop: threading.Event) -> None:

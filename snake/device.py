@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -60,23 +61,39 @@ def register_host_memory(ptr: int, nbytes: int) -> Callable[[], None] | None:
     Returns the function that undoes it (cudaHostUnregister; call it while the bytes are
     still mapped), or None where CUDA refused (the caller falls back to torch's allocator)."""
     cudart = torch.cuda.cudart()
+    # torch's bindings set no device: the call goes to the thread's current one (`on_device`
+    # makes it the trainer's for the engine's build; else cuda:1's buffers set up cuda:0)
+    device = torch.cuda.current_device()
     if int(cudart.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)) != 0:
         _clear_cuda_error()
         return None
 
-    def unregister() -> None:
-        int(cudart.cudaHostUnregister(ptr))  # at exit or after a device error: nothing more to do
+    def unregister() -> None:  # on whichever thread drops the buffer last
+        with torch.cuda.device(device):
+            int(cudart.cudaHostUnregister(ptr))  # after a device error: nothing more to do
 
     return unregister
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """`device` as the calling thread's current CUDA device for the block (a no-op on a CPU
+    device): CUDA calls that take no device (host registration, events) go to it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _clear_cuda_error() -> None:
     """Reset the runtime's last error after a refused cudaHostRegister, so the next kernel
     launch's check (which reads cudaGetLastError) does not report it as its own. Best
     effort: torch's bindings do not expose cudaGetLastError, the runtime library does."""
-    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+    names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"]
+    try:  # the one loaded, whatever its name (some wheels bundle a hashed copy)
+        with open("/proc/self/maps") as maps:
+            names += sorted({line.split()[-1] for line in maps if "libcudart" in line and "/" in line})
+    except OSError:
+        pass
+    for name in names:
         try:
-            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0))
         except OSError:
             continue
         lib.cudaGetLastError()

@@ -33,7 +33,7 @@ from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, pair_of, split_batch
-from snake.device import device_memory_bytes, helper_thread_init, resolve_device
+from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, SnakeError, Stopped, release_frames
 from snake.lr import check_rates
@@ -483,13 +483,14 @@ class SnakeTrainer:
         self._lock = DirLock(self.offload_dir)
         data_ex = self._data_ex
         build_stop = threading.Event()
-        built = asyncio.get_running_loop().run_in_executor(
-            data_ex,
-            lambda: Engine(
-                self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=pair_of(first)[0].shape,
-                offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex, stop=build_stop,
-            ),
-        )
+        def build() -> Engine:
+            with on_device(self.device):  # its host buffers are registered with the trainer's GPU
+                return Engine(
+                    self.parts, cfg, self.device, ckpt_shape=h_shape, input_shape=pair_of(first)[0].shape,
+                    offload_dir=self.offload_dir, tracer=self.trace, data_executor=data_ex, stop=build_stop,
+                )
+
+        built = asyncio.get_running_loop().run_in_executor(data_ex, build)
         try:
             engine = await asyncio.shield(built)
         except asyncio.CancelledError:

@@ -94,35 +94,54 @@ def test_the_registration_is_undone_when_the_last_view_goes_while_still_mapped()
     assert not _is_mapped(ptr, 1 << 20)  # and then the mapping went
 
 
-def test_a_forked_child_does_not_unregister_its_parents_memory():
-    """A DataLoader worker is a fork: a pinned buffer is not mapped in it at all (Linux
+def test_a_forked_child_does_not_unregister_or_unmap_its_parents_memory():
+    """A DataLoader worker is a fork. A pinned buffer is not mapped in it at all (Linux
     copies page-locked private pages into the child at the fork, so each worker took a copy
-    of every pinned buffer), and its objects, collected there, do not call into CUDA (the
-    child has none of its own)."""
+    of every pinned buffer; or makes them copy-on-write, and the parent's next write moves
+    its page from the one the device reads). Its objects, collected there, do not call into
+    CUDA (the child has none of its own), nor unmap the address: the child's own memory may
+    lie there by then, which that unmapped under it (SIGSEGV at its next touch)."""
+    import ctypes
+    import mmap
     import os
 
+    n = 16 << 20
     calls: list[int] = []
 
     def register(ptr: int, nbytes: int):  # type: ignore[no-untyped-def]
         return lambda: calls.append(os.getpid())
 
-    t = alloc_host_tensor(4096, torch.uint8, pin=True, register=register)
+    t = alloc_host_tensor(n, torch.uint8, pin=True, register=register)
+    t[:] = 7
+    ptr = t.data_ptr()
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: drop its copy, report whether it unregistered
+    if pid == 0:  # the child
+        code = 1
         try:
-            seen = _is_mapped(t.data_ptr(), 4096)
+            seen = _is_mapped(ptr, n)
+            # memory of its own where the buffer was (as the kernel hands out a free range)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_long]
+            prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
+            if not seen:
+                assert libc.mmap(ptr, n, prot, flags, -1, 0) == ptr
             del t
             gc.collect()
-            os.write(w, f"{len(calls)} {seen}".encode())
+            kept = _is_mapped(ptr, n)  # the child's own memory is still there
+            os.write(w, f"{len(calls)} {seen} {kept}".encode())
+            code = 0
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(w)
-    got = os.read(r, 16)
+    got = os.read(r, 64)
     os.close(r)
-    os.waitpid(pid, 0)
-    assert got == b"0 False"
-    assert _is_mapped(t.data_ptr(), 4096)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child died: {status}"
+    assert got == b"0 False True"
+    assert _is_mapped(ptr, n) and int(t[-1]) == 7
     del t
     gc.collect()
     assert calls == [os.getpid()]

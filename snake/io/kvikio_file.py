@@ -24,6 +24,11 @@ def kvikio_usable() -> bool:
     return True
 
 
+class KvikioOpenError(RuntimeError):
+    """kvikio's CuFile would not open a file (its driver, the file system): the file itself
+    was made and preallocated, so another backend can take it."""
+
+
 class KvikioFile:
     def __init__(self, path: Path, nbytes: int) -> None:
         import kvikio
@@ -33,10 +38,13 @@ class KvikioFile:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if nbytes > 0:
-                os.posix_fallocate(fd, 0, nbytes)
+                os.posix_fallocate(fd, 0, nbytes)  # (a full disk fails here, as with any backend)
         finally:
             os.close(fd)
-        self._f = kvikio.CuFile(self.path, "r+")
+        try:
+            self._f = kvikio.CuFile(self.path, "r+")
+        except Exception as e:
+            raise KvikioOpenError(f"kvikio could not open {self.path} ({type(e).__name__}: {e})") from e
 
     def pread(self, buf: memoryview, offset: int) -> None:
         # kvikio takes host arrays through the array interface: hand it numpy views

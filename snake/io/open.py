@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from snake.io.base import StorageFallbackWarning, StorageFile, Throttled, TokenBucket
-from snake.io.kvikio_file import KvikioFile, kvikio_usable
+from snake.io.kvikio_file import KvikioFile, KvikioOpenError, kvikio_usable
 from snake.io.posix import PosixFile, o_direct_works
 
 Backend = Literal["auto", "posix", "buffered", "kvikio"]
@@ -30,10 +30,9 @@ def open_storage(
     if backend == "auto" and use_gds and kvikio_usable():
         try:
             f = KvikioFile(path, nbytes)
-        except Exception as e:  # chosen, not asked for: the store goes on with O_DIRECT
+        except KvikioOpenError as e:  # chosen, not asked for: the store goes on with O_DIRECT
             warnings.warn(
-                f"kvikio could not open {path} ({type(e).__name__}: {e}); using POSIX I/O there "
-                "(storage_backend='posix' chooses it without trying kvikio)",
+                f"{e}; using POSIX I/O there (storage_backend='posix' chooses it without trying kvikio)",
                 StorageFallbackWarning,
                 stacklevel=2,
             )

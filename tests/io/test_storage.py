@@ -159,12 +159,20 @@ def test_kvikio_that_cannot_open_falls_back_to_posix_when_chosen(tmp_path, monke
     cuFile, a file system it refuses) the engine's build failed there. Chosen, not asked
     for: the store goes on with O_DIRECT and says so. Asked for, it still fails."""
     import snake.io.open as opening
+    from snake.io.kvikio_file import KvikioOpenError
 
     class Refused:
         def __init__(self, path, nbytes):  # type: ignore[no-untyped-def]
-            raise RuntimeError("cuFile: no such driver")
+            raise KvikioOpenError(f"kvikio could not open {path} (RuntimeError: cuFile: no such driver)")
+
+    class Full:
+        def __init__(self, path, nbytes):  # type: ignore[no-untyped-def]
+            raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(opening, "kvikio_usable", lambda: True)
+    monkeypatch.setattr(opening, "KvikioFile", Full)
+    with pytest.raises(OSError, match="No space"):  # a full disk is not kvikio's: no fallback, no warning
+        open_storage(tmp_path / "z.bin", 4 * ALIGN, use_gds=True)
     monkeypatch.setattr(opening, "KvikioFile", Refused)
     with pytest.warns(StorageFallbackWarning, match="kvikio could not open"):
         f = open_storage(tmp_path / "x.bin", 4 * ALIGN, use_gds=True)
