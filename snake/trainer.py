@@ -528,10 +528,16 @@ class SnakeTrainer:
         )
         model = self.parts.model
         mdev = real_param(model).device
-        # the embedding's dropout draws from torch's global generator: put back as it was, a
-        # data source drawing from it (nanoGPT's get_batch) gets the stream it would alone
-        with torch.no_grad(), torch.random.fork_rng(devices=[mdev] if mdev.type == "cuda" else []):
-            return self.parts.pre(model, ins[0].to(mdev)).shape
+        # in eval mode: the embedding's dropout drew from torch's global generator, and a
+        # data source drawing from it (nanoGPT's get_batch) got another stream than alone
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            with torch.no_grad():
+                return self.parts.pre(model, ins[0].to(mdev)).shape
+        finally:
+            for m, training in modes:
+                m.training = training
 
     def _check_memory(self, cfg: SnakeConfig, first: Any) -> None:
         """Before anything is allocated: does a placement the user fixed fit in the memory
