@@ -364,8 +364,9 @@ class Kernels:
         a small micro-batch's block forward on a CPU."""
         seed = self.seed_for(t, layer, m) % (2**63)
         lock = self.rng_lock
-        if lock is not None:  # a data source's draws wait (see `generators`)
-            lock.acquire()
+        if lock is not None:  # a data source's draws wait (see `generators`), and it for them
+            while not lock.acquire(timeout=0.05):
+                self._check_stop()  # a next() that does not return holds no torn-down run up
         try:
             states = [g.get_state() for g in self.generators]
             for g in self.generators:

@@ -119,3 +119,34 @@ async def test_a_source_that_draws_nothing_is_read_without_the_lock(tmp_path):
     async with SnakeTrainer(tiny_gpt(n_layer=2), data=random_windows(3), config=cfg) as t:
         await t.run(1)
         assert t.source.draws_rng
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_source_that_draws_does_not_hold_up_the_runs_end(tmp_path):
+    """A source seen drawing from the global generator holds the lock its draws share with
+    the compute thread while its next() runs. One whose next() then never returns (a
+    producer that died) stalled the compute thread on that lock: the watchdog named the
+    data, and the run's end, close() with it, waited for the next() (60 s here)."""
+    import threading
+    import time
+
+    from snake import ActorFailed
+
+    release = threading.Event()
+
+    def stuck():
+        for i, item in enumerate(random_windows(5)):
+            if i == 3:
+                release.wait(60)
+            yield item
+
+    cfg = SnakeConfig(device="cpu", micro_batches=2, offload_dir=tmp_path, stall_timeout_s=0.5)
+    start = time.perf_counter()
+    try:
+        async with SnakeTrainer(tiny_gpt(n_layer=2), data=stuck(), config=cfg) as t:
+            with pytest.raises(ActorFailed, match="data"):
+                await asyncio.wait_for(t.run(5), 120)
+            assert t.source.draws_rng
+        assert time.perf_counter() - start < 10
+    finally:
+        release.set()

@@ -299,7 +299,9 @@ class Compute(Actor):
     async def _finish(self, job: _Job, pending: deque[_Job], t: int, layer: int) -> list[Any]:
         self.at(t, layer, job.parts[-1].m)
         try:
-            return await wait_blocking(job.fut)
+            # cancelled: the run is torn down (`on_cancel` sets the engine's stop), so a job
+            # that waits for a data source's next() (`Kernels.rng`) gives up instead
+            return await wait_blocking(job.fut, self.on_cancel)
         finally:
             for part in job.parts:
                 if part.times[1]:
@@ -308,7 +310,11 @@ class Compute(Actor):
 
     async def _drain(self, pending: deque[_Job]) -> None:
         """After a failure or cancellation: let queued jobs finish (they use the stage's
-        buffers) before the error propagates."""
+        buffers) before the error propagates. The run is torn down: the engine's stop is set
+        first, so that a queued job waiting for a data source's next() gives up
+        (`Kernels.rng`)."""
+        if pending:
+            self.e.stop.set()
         while pending:
             await settle(pending.popleft().fut)
         self.busy = None
