@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from snake.blocking import retrieved
 from snake.errors import DataError
@@ -242,7 +242,8 @@ class DataSource:
             raise DataError(
                 f"data: run({steps}) would reach the DataLoader's last batch, which has {rows} rows where the others "
                 f"have {size} (its sampler's length is not a multiple of batch_size={size}); snake keeps the "
-                "batch shape fixed: pass drop_last=True to the DataLoader, or run fewer steps"
+                "batch shape fixed: pass drop_last=True to the DataLoader (or to the BatchSampler you gave it), or run "
+                "fewer steps"
             )
 
     def fetching(self) -> bool:
@@ -285,18 +286,20 @@ def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
         return len(data), None
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None, None  # an IterableDataset's len(), where it has one, is the user's estimate
+    if type(data).__iter__ is not DataLoader.__iter__ or type(data).__len__ is not DataLoader.__len__:
+        return None, None  # a subclass's own (one that cycles its epochs forever goes past len())
     samplers = (data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None))
     if not all(type(s).__module__.startswith("torch.utils.data") for s in samplers if s is not None):
         return None, None  # a sampler of the user's may go on past its len() (an endless one)
+    batches = data.batch_sampler  # torch's BatchSampler: given, or made of batch_size and drop_last
     try:
         n = len(data)
-        samples = len(data.sampler) if data.batch_size is not None else None  # type: ignore[arg-type]
+        samples = len(batches.sampler) if type(batches) is BatchSampler else None  # type: ignore[arg-type]
     except TypeError:  # a sampler without a length
         return None, None
-    size = data.batch_size
     short = None
-    if samples is not None and size is not None and not data.drop_last and samples % size:
-        short = (samples % size, size)
+    if samples is not None and type(batches) is BatchSampler and not batches.drop_last and samples % batches.batch_size:
+        short = (samples % batches.batch_size, batches.batch_size)
     return n, short
 
 

@@ -329,3 +329,45 @@ async def test_a_source_that_yields_inside_inference_mode_is_named(tmp_path, kin
     finally:
         await t.close()
     assert not torch.is_inference_mode_enabled()
+
+
+def _rows(n: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 96, (n, 17), generator=g)
+    return torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:])
+
+
+@pytest.mark.asyncio
+async def test_a_dataloader_subclass_that_cycles_its_epochs_is_not_held_to_its_length(tmp_path):
+    """A common idiom: a DataLoader subclass whose __iter__ goes round its epochs forever.
+    Its len() is one epoch's, which the length check took for all it gives: run(5) of a
+    2-batch epoch was refused."""
+
+    class Endless(torch.utils.data.DataLoader):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            while True:
+                yield from super().__iter__()
+
+    loader = Endless(_rows(10), batch_size=4, drop_last=True)
+    cfg = SnakeConfig(device="cpu", micro_batches=1, offload_dir=tmp_path)
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=cfg) as t:
+        report = await asyncio.wait_for(t.run(5), 60)
+    assert len(report.steps) == 5
+
+
+@pytest.mark.asyncio
+async def test_a_short_last_batch_of_a_batch_sampler_given_is_refused_before_the_run(tmp_path):
+    """A DataLoader given torch's BatchSampler (batch_size None on the loader itself): its
+    short last batch was missed, and the run failed at it after training the others."""
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from snake import DataError
+
+    ds = _rows(10)
+    loader = DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 4, drop_last=False))
+    cfg = SnakeConfig(device="cpu", micro_batches=1, offload_dir=tmp_path)
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=cfg) as t:
+        with pytest.raises(DataError, match="last batch, which has 2 rows where the others have 4"):
+            await t.run(3)
+        report = await asyncio.wait_for(t.run(2), 60)  # the two whole batches train
+    assert len(report.steps) == 2
