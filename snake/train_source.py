@@ -10,8 +10,8 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import re
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -68,7 +68,7 @@ def text_record(path: str | None, text: str, corpus: torch.Tensor) -> dict[str, 
     or the documentation of this Python) by its characters and their sha256 (UTF-8), and
     the ids cut into windows by their count and sha256 (another tokenizer's ids differ)."""
     ids = corpus.to(torch.long).contiguous()
-    python = f"{sys.version_info[0]}.{sys.version_info[1]}"  # its documentation differs from version to version
+    python = platform.python_version()  # its documentation differs from release to release (3.11.2, 3.11.7)
     return {
         "text": str(Path(path).expanduser().absolute()) if path is not None else f"the Python {python} documentation",
         "given": path is not None,

@@ -189,3 +189,18 @@ def test_a_checkpoint_without_snake_trains_record_resumes_and_says_what_is_not_c
     capsys.readouterr()
     assert _run(tmp_path, "again", *gpt, "--resume", str(tmp_path / "ck")) == 0
     assert f"holds no {TRAIN_RECORD}" in capsys.readouterr().err
+
+
+def test_the_default_corpus_is_named_with_its_python_release():
+    """The documentation shipped with Python differs between patch releases (3.11.2 and
+    3.11.7 by a thousand characters): a --resume under another one was refused saying that
+    'the Python 3.11 documentation' is not 'the Python 3.11 documentation'."""
+    import platform
+
+    import torch
+
+    from snake.train_source import text_record
+
+    record = text_record(None, "some text", torch.arange(4))
+    assert record["text"] == f"the Python {platform.python_version()} documentation"
+    assert not record["given"]
