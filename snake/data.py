@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from snake.blocking import retrieved
-from snake.errors import DataError
+from snake.errors import DataError, traceback_frames
 
 _END = object()
 
@@ -87,22 +87,11 @@ def _next_item(it: Iterator[Any], lock: threading.Lock | None = None, drew: list
 
 def _drop_frames_holding(exc: BaseException, obj: object) -> None:
     """Clear the frames in `exc`'s traceback (and its cause's and context's) that hold `obj`."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            frame = tb.tb_frame
-            # its referents, not f_locals, which would keep a snapshot of them in the frame
-            if any(v is obj for v in gc.get_referents(frame)):
-                with contextlib.suppress(RuntimeError):  # a frame still running (_next_item's own)
-                    frame.clear()
-            tb = tb.tb_next
-        todo += [e.__cause__, e.__context__]
+    for frame in traceback_frames(exc):
+        # its referents, not f_locals, which would keep a snapshot of them in the frame
+        if any(v is obj for v in gc.get_referents(frame)):
+            with contextlib.suppress(RuntimeError):  # a frame still running (_next_item's own)
+                frame.clear()
 
 
 class DataSource:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
+from types import FrameType
 
 
 class SnakeError(Exception):
@@ -106,6 +108,15 @@ def release_frames(exc: BaseException) -> None:
     frames are left as they are."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # snake's and planner's parent
     ours = tuple(os.path.join(root, name) + os.sep for name in ("snake", "planner"))
+    for frame in traceback_frames(exc):
+        if frame.f_code.co_filename.startswith(ours):
+            with contextlib.suppress(RuntimeError):  # a frame still running
+                frame.clear()
+
+
+def traceback_frames(exc: BaseException) -> Iterator[FrameType]:
+    """The frames of `exc`'s traceback and of those of its cause, its context and an
+    exception group's members, all the way down (each exception once)."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -115,9 +126,7 @@ def release_frames(exc: BaseException) -> None:
         seen.add(id(e))
         tb = e.__traceback__
         while tb is not None:
-            if tb.tb_frame.f_code.co_filename.startswith(ours):
-                with contextlib.suppress(RuntimeError):  # a frame still running
-                    tb.tb_frame.clear()
+            yield tb.tb_frame
             tb = tb.tb_next
         todo += [e.__cause__, e.__context__]
         if isinstance(e, BaseExceptionGroup):
