@@ -21,7 +21,7 @@ def _bench_path(monkeypatch):
     "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity",
              "budget_tradeoff", "contention", "huge_pages", "stage_overlap", "block_call_ab", "train_ab", "kinds", "ab",
              "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom", "lora", "memory_limit",
-             "frozen_from_disk"]
+             "frozen_from_disk", "data_rng"]
 )
 def test_imports(name):
     sys.modules.pop(name, None)
@@ -279,3 +279,19 @@ def test_io_cost_flag_is_checked(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["contention.py", *argv])
         with pytest.raises(SystemExit, match="--io-pieces-mib .* must be sizes in MiB >= 0 .* with --io-cost"):
             contention.main()
+
+
+def test_data_rng_windows_draw_from_the_global_generator_only_when_asked():
+    """data_rng.py's two sources give the same batches, one drawing them from torch's
+    global generator (which snake then sees at the first batch) and one from its own."""
+    import torch
+    from data_rng import windows  # type: ignore[import-not-found]
+
+    tokens = torch.arange(1000)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    own = list(windows(tokens, 4, 8, 3, 0.0, drawn=False, seed=1234))
+    assert torch.equal(torch.get_rng_state(), state)
+    drawn = list(windows(tokens, 4, 8, 3, 0.0, drawn=True, seed=1234))
+    assert not torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(own, drawn, strict=True))
