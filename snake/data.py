@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import threading
+import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -208,6 +209,10 @@ class DataSource:
         pending.cancel()
         await asyncio.wait([pending], timeout=grace)
 
+    @property
+    def is_async(self) -> bool:
+        return self._aiter is not None
+
     def left(self) -> int | None:
         """Batches still to come from a list or tuple or a DataLoader of a map-style dataset
         (None: the data does not say)."""
@@ -256,7 +261,11 @@ class DataSource:
         anything else runs (the trainer's build): it also sees whether the data draws
         from torch's global generator (`draws_rng`)."""
         drew: list[bool] = []
+        # an async source's first __anext__ runs on this loop: its draws are seen from here
+        state = torch.default_generator.get_state() if self._aiter is not None and not self._peeked else None
         item = await self.next(executor, drew)
+        if state is not None:
+            drew.append(not torch.equal(state, torch.default_generator.get_state()))
         self.draws_rng = self.draws_rng or any(drew)
         self.consumed -= 1
         self._peeked.append(item)
@@ -264,6 +273,26 @@ class DataSource:
 
 
 _EPOCHS = ": several epochs of a DataLoader or a list are `(b for _ in range(epochs) for b in loader)`"
+
+
+class AsyncDataRandomWarning(UserWarning):
+    """An async data source draws from torch's global random generator on a CPU device,
+    where snake's compute thread seeds that generator around each block for dropout: its
+    `__anext__` runs on the event loop, which cannot take turns with those stretches as a
+    sync source's next() does, so its batches depend on timing and a draw can move a
+    forward's dropout mask from its recompute's. Give it a `torch.Generator` of its own."""
+
+
+def check_async_draws(source: DataSource, device: torch.device) -> None:
+    """AsyncDataRandomWarning where it applies (after the first batch, `DataSource.peek`)."""
+    if device.type == "cpu" and source.is_async and source.draws_rng:
+        warnings.warn(
+            "snake: the async data source draws from torch's global random generator, which the compute thread "
+            "seeds around each block for dropout on a CPU device, and an async source cannot take turns with it: "
+            "its batches depend on timing; give it a generator of its own (torch.randint(..., generator=g), "
+            "DataLoader(..., generator=g))",
+            AsyncDataRandomWarning, stacklevel=3,
+        )
 
 
 def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:

@@ -32,7 +32,7 @@ from snake.adapters import (
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
-from snake.data import DataSource, Vocab, pair_of, split_batch
+from snake.data import DataSource, Vocab, check_async_draws, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, SnakeError, Stopped, release_frames
@@ -507,6 +507,7 @@ class SnakeTrainer:
         # a sync source's next() and the compute thread's seeded stretches of torch's global
         # generator take turns on a CPU device (`Kernels.rng`)
         self.source.rng_lock = engine.kernels.rng_lock
+        check_async_draws(self.source, self.device)
         stop = threading.Event()
         try:
             await run_blocking(engine.executors["io"], engine.load_initial_weights, stop, on_cancel=stop.set)

@@ -150,3 +150,32 @@ async def test_a_stuck_source_that_draws_does_not_hold_up_the_runs_end(tmp_path)
         assert time.perf_counter() - start < 10
     finally:
         release.set()
+
+
+@pytest.mark.asyncio
+async def test_an_async_source_that_draws_is_warned_of_on_a_cpu_device(tmp_path):
+    """An async source's __anext__ runs on the event loop, which cannot take turns with the
+    compute thread's seeded stretches: it is not covered, and now says so (it was silent)."""
+    import warnings
+
+    from snake.data import AsyncDataRandomWarning
+
+    async def drawing():
+        for item in random_windows(3):
+            yield item
+
+    made = list(random_windows(3))  # drawn before: the source itself draws nothing
+
+    async def own():
+        for item in made:
+            yield item
+
+    cfg = SnakeConfig(device="cpu", micro_batches=2, offload_dir=tmp_path)
+    with pytest.warns(AsyncDataRandomWarning, match="generator of its own"):
+        async with SnakeTrainer(tiny_gpt(n_layer=2), data=drawing(), config=cfg) as t:
+            await t.run(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AsyncDataRandomWarning)
+        async with SnakeTrainer(tiny_gpt(n_layer=2), data=own(), config=cfg) as t:
+            await t.run(1)
+            assert t.source.is_async and not t.source.draws_rng
