@@ -262,10 +262,11 @@ class DataSource:
         from torch's global generator (`draws_rng`)."""
         drew: list[bool] = []
         # an async source's first __anext__ runs on this loop: its draws are seen from here
-        state = torch.default_generator.get_state() if self._aiter is not None and not self._peeked else None
+        # (the generator's state as bytes: no kernel runs on the loop's thread)
+        state = _rng_bytes() if self._aiter is not None and not self._peeked else None
         item = await self.next(executor, drew)
         if state is not None:
-            drew.append(not torch.equal(state, torch.default_generator.get_state()))
+            drew.append(state != _rng_bytes())
         self.draws_rng = self.draws_rng or any(drew)
         self.consumed -= 1
         self._peeked.append(item)
@@ -273,6 +274,11 @@ class DataSource:
 
 
 _EPOCHS = ": several epochs of a DataLoader or a list are `(b for _ in range(epochs) for b in loader)`"
+
+
+def _rng_bytes() -> bytes:
+    """torch's global CPU generator's state."""
+    return bytes(torch.default_generator.get_state().numpy())
 
 
 class AsyncDataRandomWarning(UserWarning):
