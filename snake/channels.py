@@ -1,10 +1,12 @@
 """The channels actors talk through: mailboxes (bounded queues), the stage clock
-(the compute actor's published deadlines) and the ledger (versions of stored units)."""
+(the compute actor's published deadlines, and the iterations the data lets the run train)
+and the ledger (versions of stored units)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+import sys
+from collections.abc import Hashable, Iterator
 from typing import Any, Protocol
 
 
@@ -67,11 +69,32 @@ class Mailbox:
 
 class StageClock:
     """The compute actor publishes the global index of the stage it is about to run;
-    movers wait until the stage their operation must precede comes within its lead."""
+    movers wait until the stage their operation must precede comes within its lead.
 
-    def __init__(self, start: int = -1) -> None:
+    It also says which iterations the run trains: `range(first, end)`, where `end` starts
+    at the run's last + 1 and comes down to the iteration whose batch the data could not
+    give (it ran out, raised, or gave a bad batch: `stop_at`). An actor starts no work of
+    iteration t before its batch is in hand (`have`), so a run the data stops ends cleanly
+    after the iteration before, every unit where a run of that many steps leaves it. The
+    data actor reads batch t once compute has taken batch t - 2, and no operation of t
+    starts before the last stage of t - 2: the wait costs nothing unless the data is slower
+    than the steps (or at a run's first iteration, whose reads wait for its first batch)."""
+
+    def __init__(self, start: int = -1, iterations: range | None = None) -> None:
         self.now = start
         self._cond = asyncio.Condition()
+        self.first = 0 if iterations is None else iterations.start
+        self.end = sys.maxsize if iterations is None else iterations.stop
+        self._have = self.end if iterations is None else self.first  # below it: the batch is in hand
+        self.stopped_by: Exception | None = None  # what stopped the data (`stop_at`)
+
+    def iterations(self) -> Iterator[int]:
+        """The run's iterations, as far as `end` is known when each is asked for (a plan's
+        generator pulls the next iteration's operations once it needs them)."""
+        t = self.first
+        while t < self.end:
+            yield t
+            t += 1
 
     async def publish(self, stage: int) -> None:
         async with self._cond:
@@ -83,6 +106,36 @@ class StageClock:
             return
         async with self._cond:
             await self._cond.wait_for(lambda: self.now >= stage)
+
+    async def reach(self, stage: int, t: int) -> bool:
+        """Wait for `stage` and for iteration t's batch: True, or False (and at once) when
+        the run ends before iteration t (its operation is skipped)."""
+        if t >= self.end or (self.now >= stage and t < self._have):
+            return t < self.end
+        async with self._cond:
+            await self._cond.wait_for(lambda: t >= self.end or (self.now >= stage and t < self._have))
+        return t < self.end
+
+    async def runs(self, t: int) -> bool:
+        """Whether iteration t trains, once the data actor knows (its batch, or the end)."""
+        if t < self._have or t >= self.end:
+            return t < self.end
+        async with self._cond:
+            await self._cond.wait_for(lambda: t < self._have or t >= self.end)
+        return t < self.end
+
+    async def have(self, t: int) -> None:
+        """Iteration t's batch is in hand: its work may start."""
+        async with self._cond:
+            self._have = t + 1
+            self._cond.notify_all()
+
+    async def stop_at(self, t: int, cause: Exception) -> None:
+        """The data gave no batch for iteration t (`cause` says why): the run ends before it."""
+        async with self._cond:
+            self.end = min(self.end, t)
+            self.stopped_by = cause
+            self._cond.notify_all()
 
 
 class Ledger:

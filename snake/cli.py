@@ -33,7 +33,7 @@ from snake.config import (
     Placement,
     SnakeConfig,
 )
-from snake.errors import ActorFailed, ConfigError, SnakeError
+from snake.errors import ActorFailed, ConfigError, DataError, SnakeError
 from snake.lr import SCHEDULES as LR_SCHEDULES
 from snake.lr import WarmupConstant, describe
 from snake.offload_dir import scratch_parent
@@ -578,7 +578,14 @@ async def _train_steps(
         while done < args.steps:  # in pieces of --save-every steps, a checkpoint after each but the last
             n = min(args.save_every or args.steps, args.steps - done)
             t0 = time.perf_counter()
-            await trainer.run(n, on_step=on_step)
+            try:
+                await trainer.run(n, on_step=on_step)
+            except DataError as e:
+                if e.report is not None and args.checkpoint:  # stopped cleanly: what it trained is kept
+                    await _save(trainer, args.checkpoint, record)
+                    print(f"\nsnake train: the data stopped the run after {done + len(e.report.steps)} steps; saved "
+                          f"them to {args.checkpoint}", file=sys.stderr)
+                raise
             wall += time.perf_counter() - t0
             done += n
             if done < args.steps:
@@ -758,8 +765,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _train_main(args)
         except SnakeError as e:
-            if isinstance(e, ActorFailed) and not isinstance(e.__cause__, SnakeError):
-                raise  # an actor hit a bug, not a bad argument: the traceback is what a report needs
+            if isinstance(e, ActorFailed | DataError) and e.__cause__ is not None \
+                    and not isinstance(e.__cause__, SnakeError):
+                raise  # an actor or the data hit a bug, not a bad argument: the traceback is what a report needs
             print(f"snake train: {e}", file=sys.stderr)
             return 2
     return 2

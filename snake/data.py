@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from snake.blocking import retrieved
-from snake.errors import DataError, traceback_frames
+from snake.errors import DataError, DataExhausted, traceback_frames
 
 _END = object()
 
@@ -166,7 +166,7 @@ class DataSource:
                 raise item.exc  # here, in the data actor's task, which carries it to run()
             self._taken += 1
         if item is _END:
-            raise DataError(f"data: ran out after {self.consumed} global batches" + (
+            raise DataExhausted(f"data: ran out after {self.consumed} global batches" + (
                 " (it gave none: an iterator that was read to its end before, a generator another loop or "
                 "trainer used up, gives no more)" if self.consumed == 0 else "")
                 + f"; give more batches (or an endless iterator{_EPOCHS}) or run fewer steps")
@@ -220,7 +220,7 @@ class DataSource:
 
     def check_enough(self, steps: int) -> None:
         """DataError, before a run(steps) trains, where the data says it has fewer batches
-        (else the run fails as it runs out, and the trainer closes, its steps lost), or
+        (else the run would train that far and stop there, short of what was asked), or
         where the run would reach a DataLoader's last batch, which is short (snake keeps a
         batch's shape fixed: that batch would fail the run at the end of the epoch)."""
         left = self.left()

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 
 class SnakeError(Exception):
@@ -29,8 +30,21 @@ class ConfigError(SnakeError, ValueError):
 
 
 class DataError(SnakeError, ValueError):
-    """A batch from `data` has the wrong type, shape, dtype or values."""
+    """A batch from `data` has the wrong type, shape, dtype or values, or the data ran out.
 
+    Raised by `run()` where the data stops a run part-way (runs out, raises in its next(),
+    gives a bad batch): the run ended cleanly after the step before, the trainer is usable,
+    and `report` is the `RunReport` of the steps the run trained (else None)."""
+
+    report: Any = None
+
+
+
+class DataExhausted(DataError):
+    """The data ran out: it gave no batch for a step. Raised by `run()` after the steps it
+    had batches for (`report`), the trainer usable: a finite stream's end, as a loop over
+    it ends; what the trainer learned stays (`save()` it, or load it into a trainer with
+    more data)."""
 
 class ModelError(SnakeError, TypeError):
     """The model cannot be split into resident pre/post parts and streamed blocks, or snake

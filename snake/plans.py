@@ -22,7 +22,7 @@ waits on something queued behind itself:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -154,12 +154,12 @@ class Plans:
             ops += [StepOp(t, layer, "delayed", self.key_delayed(t, layer)) for layer in layers]
         return sorted(ops, key=lambda o: (o.key, o.part, o.layer))
 
-    def worker_plan(self, iterations: range, layers: list[int], first_delayed: int) -> Iterator[StepOp]:
+    def worker_plan(self, iterations: Iterable[int], layers: list[int], first_delayed: int) -> Iterator[StepOp]:
         for t in iterations:
             yield from self.steps(t, layers, first_delayed)
 
     # h2d ------------------------------------------------------------------------------
-    def h2d_plan(self, iterations: range) -> Iterator[H2DOp]:
+    def h2d_plan(self, iterations: Iterable[int]) -> Iterator[H2DOp]:
         for t in iterations:
             for ld in self.loads:
                 yield H2DOp(t, t * self.S + ld.need, ld)
@@ -167,7 +167,7 @@ class Plans:
     # ssd_read -------------------------------------------------------------------------
     def read_plan(
         self,
-        iterations: range,
+        iterations: Iterable[int],
         has_tail: Callable[[str, tuple[int, ...]], bool],
         first_delayed: int,
     ) -> Iterator[ReadOp]:

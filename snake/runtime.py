@@ -1,6 +1,8 @@
 """One `run()`: build the mailboxes and actors for a range of iterations and run them
 under one TaskGroup. The first actor failure cancels the rest and surfaces as
-`ActorFailed`, naming the actor and where it was, chained from the cause."""
+`ActorFailed`, naming the actor and where it was, chained from the cause. Data that runs
+out, raises or gives a bad batch part-way is no failure of the run: it ends cleanly before
+that iteration and raises `DataStopped`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,20 @@ from snake.channels import Mailbox, StageClock
 from snake.data import DataSource, Vocab
 from snake.engine import Engine
 from snake.errors import ActorFailed, StallError
+
+
+class DataStopped(Exception):
+    """The data ran out, raised or gave a bad batch part-way through a run, which ended
+    cleanly before that iteration (`StageClock.stop_at`): `cause` is what stopped it,
+    `reports` the steps it trained (of the `steps` asked for). Every actor finished, no
+    work of the iteration without a batch began: the trainer is where a run of
+    `len(reports)` steps leaves it (`SnakeTrainer.run` raises the cause as a `DataError`)."""
+
+    def __init__(self, cause: Exception, reports: list[StepReport], steps: int) -> None:
+        super().__init__(f"the data stopped the run after {len(reports)} of {steps} steps: {cause}")
+        self.cause = cause
+        self.reports = reports
+        self.steps = steps
 
 
 class _Interrupted(Exception):
@@ -88,7 +104,7 @@ async def _watchdog(
 def build_actors(
     engine: Engine,
     source: DataSource,
-    iterations: range,
+    clock: StageClock,
     reports: list[StepReport],
     *,
     vocab: Vocab,
@@ -105,22 +121,21 @@ def build_actors(
     h2d_in = Mailbox("h2d", depth)
     write_in = Mailbox("ssd_write", 2 * depth)
     opt_in = [Mailbox(f"optimizer[{i}]", depth) for i in range(e.workers)]
-    clock = StageClock(start=iterations.start * e.S - 1)
     actors: list[Actor] = [
         DataFeeder(
-            e, source, compute=batches_in, iterations=iterations,
+            e, source, compute=batches_in, clock=clock,
             expect_shape=e.input_shape, vocab=vocab,
         ),
         Compute(
-            e, inbox=compute_in, batches=batches_in, d2h=d2h_in, clock=clock, iterations=iterations, reports=reports, on_step=on_step
+            e, inbox=compute_in, batches=batches_in, d2h=d2h_in, clock=clock, reports=reports, on_step=on_step
         ),
-        HostToDevice(e, inbox=h2d_in, compute=compute_in, clock=clock, iterations=iterations),
+        HostToDevice(e, inbox=h2d_in, compute=compute_in, clock=clock),
         DeviceToHost(e, inbox=d2h_in, ssd_write=write_in, optimizers=opt_in),
-        SsdRead(e, h2d=h2d_in, optimizers=opt_in, clock=clock, iterations=iterations),
+        SsdRead(e, h2d=h2d_in, optimizers=opt_in, clock=clock),
         SsdWrite(e, inbox=write_in, h2d=h2d_in, producers=1 + e.workers),
     ]
     actors += [
-        OptimizerWorker(e, i, inbox=opt_in[i], ssd_write=write_in, clock=clock, iterations=iterations)
+        OptimizerWorker(e, i, inbox=opt_in[i], ssd_write=write_in, clock=clock)
         for i in range(e.workers)
     ]
     return actors, [compute_in, batches_in, d2h_in, h2d_in, write_in, *opt_in]
@@ -139,7 +154,8 @@ async def run_iterations(
     # model was put in since the last run (`Kernels.restore_modes` gives theirs back at close)
     engine.kernels.parts.model.train()
     reports: list[StepReport] = []
-    actors, mailboxes = build_actors(engine, source, iterations, reports, vocab=vocab, on_step=on_step)
+    clock = StageClock(start=iterations.start * engine.S - 1, iterations=iterations)
+    actors, mailboxes = build_actors(engine, source, clock, reports, vocab=vocab, on_step=on_step)
     for a in actors:
         a.fault_hook = engine.fault_hook
         a.on_cancel = engine.stop.set
@@ -160,8 +176,11 @@ async def run_iterations(
     leftovers = [m.name for m in mailboxes if m.pending()]
     assert not leftovers, f"messages left undelivered in {leftovers} (internal error)"
     engine.check_pools()
-    engine.next_t = iterations.stop
-    engine.traffic.finish(iterations.stop - 1)
+    engine.next_t = clock.end
+    if clock.end > iterations.start:
+        engine.traffic.finish(clock.end - 1)
+    if clock.stopped_by is not None:
+        raise DataStopped(clock.stopped_by, reports, steps)
     return reports
 
 

@@ -35,11 +35,11 @@ from snake.config import SnakeConfig
 from snake.data import DataSource, Vocab, check_async_draws, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
-from snake.errors import ConfigError, SnakeError, Stopped, release_frames
+from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, release_frames
 from snake.lr import check_rates
 from snake.offload_dir import DirLock, check_offload_dir, memory_fs
 from snake.optim import decay_flags
-from snake.runtime import run_iterations
+from snake.runtime import DataStopped, run_iterations
 from snake.trace import Tracer
 
 if TYPE_CHECKING:
@@ -106,7 +106,10 @@ class SnakeTrainer:
     After a failure or a cancellation inside `run()` the trainer is closed: its in-memory
     state is part-way through an iteration. Start a new trainer (from a checkpoint). (A bad
     first batch or a cancellation while the first `run()` sets up, before its engine
-    exists, leaves nothing behind: `run` can be tried again.)
+    exists, leaves nothing behind: `run` can be tried again.) Data that runs out, raises or
+    gives a bad batch part-way is not such a failure: the run ends cleanly after the step
+    before that batch and raises a `DataError` whose `report` holds the steps it trained;
+    the trainer holds them and goes on (`run()` again, `save()`).
     One call at a time: a `run()`, `save()`, `load()`, `evaluate()` or `state_dict()` while
     another is in progress is refused, as is one while another trainer's call uses the same
     model object. `close()` while one is in progress cancels the task awaiting it, waits for
@@ -164,7 +167,7 @@ class SnakeTrainer:
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
             )
-        self.source.check_enough(steps)  # else the run would fail at its end, losing every step
+        self.source.check_enough(steps)  # else the run would stop short, where the data ends
         self._begin()
         try:
             if self.engine is None:
@@ -176,6 +179,9 @@ class SnakeTrainer:
             reports = await run_iterations(
                 self.engine, self.source, steps, vocab=self._vocab, on_step=on_step
             )
+        except DataStopped as stop:  # ended cleanly before the batch it lacks: the trainer goes on
+            traffic = self.engine.traffic.last() if stop.reports and self.engine is not None else {}
+            raise _data_stopped(stop, RunReport(stop.reports, traffic), first) from stop.cause
         except BaseException as exc:
             # before the engine exists a bad input or a cancellation leaves nothing behind
             # (_setup): the trainer can be given another try
@@ -641,6 +647,29 @@ class SnakeTrainer:
         if lock is not None:
             lock.release()
 
+
+
+def _data_stopped(stop: DataStopped, report: RunReport, first: int) -> DataError:
+    """The error run() raises where the data stopped it part-way (`DataStopped`): the data's
+    own words (or what its next() raised), then what the run did and what the trainer holds.
+    A DataExhausted where the data ran out, else a DataError."""
+    cause, done = stop.cause, len(stop.reports)
+    # a user's error's first line (a DataLoader worker's has its traceback after it): the
+    # whole of it is the `__cause__`
+    line = next(iter(str(cause).splitlines()), "")
+    said = str(cause) if isinstance(cause, DataError) else (
+        f"data: its next() raised {type(cause).__name__}: {line} (global batch {first + done} of this trainer's)")
+    ran_out = isinstance(cause, DataExhausted)
+    then = ("save() it and load() that checkpoint into a trainer with more data, as load(..., skip_data=False) "
+            "if that data starts with batches this one has not trained on" if ran_out else
+            "fix the data and run() on, or save() it")
+    kind = DataExhausted if ran_out else DataError
+    err = kind(
+        f"{said}. run({stop.steps}) stopped cleanly after {done} of its steps, before iteration {first + done}: "
+        f"the trainer holds what they trained and is usable ({then}); this error's `report` has the steps' reports"
+    )
+    err.report = report
+    return err
 
 
 async def _cancel_and_wait(task: asyncio.Task[Any]) -> None:

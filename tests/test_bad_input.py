@@ -177,15 +177,14 @@ async def test_int32_inputs_train(tmp_path):
 
 @pytest.mark.asyncio
 async def test_later_batch_with_wrong_targets_shape_is_a_data_error(tmp_path):
-    from snake import ActorFailed
-
     x, y = batches(1, 4)[0]
     data = [(x, y), (x, y[:, :8])]
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, device="cpu")
     async with SnakeTrainer(tiny_gpt(n_layer=2), data=data, config=cfg) as trainer:
-        with pytest.raises(ActorFailed) as e:
+        with pytest.raises(DataError) as e:
             await asyncio.wait_for(trainer.run(2), 30)
-    assert isinstance(e.value.__cause__, DataError)
+        assert len(e.value.report.steps) == 1  # the first batch's step, kept
+        assert trainer.engine is not None and trainer.engine.next_t == 1
     assert "disagree in shape: (4, 16) vs (4, 8)" in str(e.value)
 
 

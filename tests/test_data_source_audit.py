@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from snake import ActorFailed, SnakeConfig, SnakeTrainer
+from snake import SnakeConfig, SnakeTrainer
 from snake.errors import DataError
 from tests.helpers import batches, reference, tiny_gpt
 
@@ -64,25 +64,27 @@ async def _until(cond, timeout_s: float = 5.0) -> bool:
 @pytest.mark.asyncio
 async def test_a_dataloader_whose_worker_failed_ends_its_workers_with_the_trainer(tmp_path):
     """A DataLoader (two worker processes) whose dataset raises at the sixth batch: the run
-    fails naming it, and the failed trainer, which is closed, holds no iterator of the data:
-    its workers end, also while the exception is kept (a service's record of the failed job).
-    Before, the last next()'s future kept the error, whose traceback holds the iterator (in
-    the frames of its own methods), so the two workers lived on after close(), as long as
-    the trainer, and then as long as the exception."""
+    stops cleanly after five steps, naming it (the trainer is usable), and once the trainer
+    is closed it holds no iterator of the data: its workers end, also while the exception
+    is kept (a service's record of the job). Before, the last next()'s future kept the
+    error, whose traceback holds the iterator (in the frames of its own methods), so the
+    two workers lived on after close(), as long as the trainer, and then as long as the
+    exception."""
     before = _children()
     loader = DataLoader(_Rows(12, bad=5 * 4), batch_size=4, num_workers=2)
     t = SnakeTrainer(tiny_gpt(n_layer=2), data=loader, config=_config(tmp_path))
     it = weakref.ref(t.source._iter)
     workers = _children() - before
     assert len(workers) == 2
-    with pytest.raises(ActorFailed, match=r"'data' failed at iteration=5: ValueError: Caught ValueError") as failed:
+    with pytest.raises(DataError, match=r"next\(\) raised ValueError: Caught ValueError .* after 5 of its steps") as failed:
         await asyncio.wait_for(t.run(8), 60)
     kept = failed.value
-    gc.collect()
-    assert it() is None  # without close(): the failed run closed the trainer
+    assert len(kept.report.steps) == 5 and t.engine is not None and t.engine.next_t == 5
     assert "a corrupt record at 20" in str(kept.__cause__)
-    assert await _until(lambda: not workers & _children()), workers & _children()
     await t.close()
+    gc.collect()
+    assert it() is None
+    assert await _until(lambda: not workers & _children()), workers & _children()
 
 
 @pytest.mark.asyncio

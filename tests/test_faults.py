@@ -93,13 +93,23 @@ async def test_io_error_surfaces(tmp_path, kind, op, actor):
 
 
 @pytest.mark.asyncio
-async def test_bad_later_batch_fails_in_data_actor(tmp_path):
-    # three batches for run(3) (a list too short is refused up front), the second one bad
+async def test_a_bad_later_batch_stops_the_run_cleanly(tmp_path):
+    """Three batches for run(3) (a list too short is refused up front), the second one bad:
+    the run stops cleanly after the first step and raises the DataError, no thread or file
+    of a run left, and the trainer goes on with the third batch. Before, the run failed
+    (ActorFailed) and closed the trainer, its steps lost."""
     bad = (torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long))
     data = [batches(1, 4)[0], bad, batches(1, 4)[0]]
     async with SnakeTrainer(tiny_gpt(bias=False), data=data, config=_config(tmp_path)) as trainer:
-        err = await _fails_cleanly(trainer, "data", DataError)
-        assert "shape" in str(err)
+        await trainer.run(1)
+        threads, fds = threading.active_count(), _fds()
+        with pytest.raises(DataError, match=r"shape .* stopped cleanly after 0 of its steps, before iteration 1") as e:
+            await asyncio.wait_for(trainer.run(2), 30)
+        assert e.value.report.steps == []
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+        assert threading.active_count() <= threads and _fds() <= fds
+        report = await asyncio.wait_for(trainer.run(1), 30)
+        assert [s.step for s in report.steps] == [1]
 
 
 @pytest.mark.asyncio

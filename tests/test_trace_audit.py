@@ -18,7 +18,7 @@ import pytest
 
 from snake import Placement, SnakeConfig, SnakeTrainer
 from snake.cli import main
-from snake.errors import ActorFailed
+from snake.errors import DataError
 from snake.timeline import plot_timeline
 from snake.trace import Span, Tracer, load_trace, summarize
 from tests.helpers import batches, tiny_gpt
@@ -211,18 +211,25 @@ def _sigterm() -> None:
 
 
 def test_a_run_that_fails_writes_its_trace(tmp_path, capsys, monkeypatch):
-    """A failed run wrote no trace.json: the one file that says what it was doing."""
+    """A failed run wrote no trace.json: the one file that says what it was doing. The data
+    failing (its next() raised) stops the run cleanly: its steps are saved to --checkpoint,
+    and the error (a bug in the data's code) keeps its traceback."""
 
     def broken() -> None:
         raise RuntimeError("the loader's disk went away")
 
     _data_then(monkeypatch, broken)
-    with pytest.raises(ActorFailed, match="the loader's disk went away"):
-        _train(tmp_path, "--steps", "20")
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(DataError, match="the loader's disk went away") as e:
+        _train(tmp_path, "--steps", "20", "--checkpoint", str(ckpt))
+    assert isinstance(e.value.__cause__, RuntimeError)
     err = capsys.readouterr().err
     out = tmp_path / "out"
     assert re.search(rf"snake train: the run failed after \d+ steps; wrote its trace.json and timeline.png to {out}",
                      err), err
+    saved = re.search(rf"snake train: the data stopped the run after (\d+) steps; saved them to {ckpt}", err)
+    assert saved, err
+    assert json.loads((ckpt / "manifest.json").read_text())["step"] == int(saved[1]) == 10
     spans, _ = load_trace(out / "trace.json")
     # (one run of the suite under -n 2 found no span it looked for here, which reruns did not
     # repeat: each asked apart, and of any track, to say which next time)

@@ -137,7 +137,6 @@ class Compute(Actor):
         batches: Mailbox,
         d2h: Mailbox,
         clock: StageClock,
-        iterations: range,
         reports: list[StepReport],
         on_step: Callable[[StepReport], None] | None = None,
     ) -> None:
@@ -148,7 +147,6 @@ class Compute(Actor):
         self.batches = batches  # the data actor's, apart: a batch never waits in `inbox`'s stash
         self.d2h = d2h
         self.clock = clock
-        self.iterations = iterations
         self.reports = reports
         self.on_step = on_step
         self.carry_plan = carries(engine.stages, engine.N)
@@ -168,9 +166,11 @@ class Compute(Actor):
     async def run(self) -> None:
         e = self.e
         t0 = time.perf_counter()  # the step's start: the run's, then the step before's end
-        for t in self.iterations:
+        for t in self.clock.iterations():
             self.at(t)
             waited = time.perf_counter()
+            if not await self.clock.runs(t):
+                break  # the data stopped the run: iteration t has no batch
             batch: BatchReady = await self.batches.take(("batch", t))
             waited = time.perf_counter() - waited
             losses: list[torch.Tensor] = []

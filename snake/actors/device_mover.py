@@ -55,13 +55,12 @@ def alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tens
 class HostToDevice(Actor):
     name = "h2d"
 
-    def __init__(self, engine: Engine, *, inbox: Mailbox, compute: Mailbox, clock: StageClock, iterations: range) -> None:
+    def __init__(self, engine: Engine, *, inbox: Mailbox, compute: Mailbox, clock: StageClock) -> None:
         super().__init__(engine.tracer)
         self.e = engine
         self.inbox = inbox
         self.compute = compute
         self.clock = clock
-        self.iterations = iterations
         self.copier = Copier(engine.device)
 
     def _alias(self, kind: str, key: Hashable, base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -78,9 +77,10 @@ class HostToDevice(Actor):
         return view
 
     async def run(self) -> None:
-        for op in self.e.plans.h2d_plan(self.iterations):
+        for op in self.e.plans.h2d_plan(self.clock.iterations()):
             self.at(op.t, op.load.layer, op.load.micro_batch if op.load.micro_batch >= 0 else None)
-            await self.clock.wait_for(op.start)
+            if not await self.clock.reach(op.start, op.t):
+                continue  # the data stopped the run before this iteration
             if op.load.kind == "param":
                 await self._params(op)
             else:

@@ -48,7 +48,6 @@ class OptimizerWorker(Actor):
         inbox: Mailbox,
         ssd_write: Mailbox,
         clock: StageClock,
-        iterations: range,
     ) -> None:
         super().__init__(engine.tracer)
         self.name = f"optimizer[{index}]"
@@ -57,12 +56,13 @@ class OptimizerWorker(Actor):
         self.inbox = inbox
         self.ssd_write = ssd_write
         self.clock = clock
-        self.iterations = iterations
         self.layers = [layer for layer in range(engine.N) if layer % engine.workers == index]
 
     async def run(self) -> None:
-        for op in self.e.plans.worker_plan(self.iterations, self.layers, self.e.first_delayed):
+        for op in self.e.plans.worker_plan(self.clock.iterations(), self.layers, self.e.first_delayed):
             self.at(op.t, op.layer)
+            if not await self.clock.runs(op.t):
+                continue  # the data stopped the run before this iteration
             await self.step(op)
         await self.ssd_write.put(Stop(self.name))
 

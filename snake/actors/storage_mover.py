@@ -35,22 +35,21 @@ class SsdRead(Actor):
         h2d: Mailbox,
         optimizers: list[Mailbox],
         clock: StageClock,
-        iterations: range,
     ) -> None:
         super().__init__(engine.tracer)
         self.e = engine
         self.h2d = h2d
         self.optimizers = optimizers
         self.clock = clock
-        self.iterations = iterations
 
     async def run(self) -> None:
         e = self.e
-        plan = e.plans.read_plan(self.iterations, lambda kind, unit: kind in e.stores and e.stores[kind].has_tail(unit),
+        plan = e.plans.read_plan(self.clock.iterations(), lambda kind, unit: kind in e.stores and e.stores[kind].has_tail(unit),
                                  e.first_delayed)
         for op in plan:
             self.at(op.t, op.unit[0], op.unit[1] if op.kind == "ckpt" else None)
-            await self.clock.wait_for(op.start)  # type: ignore[arg-type]
+            if not await self.clock.reach(op.start, op.t):  # type: ignore[arg-type]
+                continue  # the data stopped the run before this iteration
             store = e.stores[op.kind]
             u = store.unit(op.unit)
             await e.ledger.wait_for((op.kind, *op.unit), op.need_version)

@@ -1,0 +1,163 @@
+"""Data that stops part-way through a run (runs out, raises in its next(), gives a bad batch)
+ends the run cleanly after the step before: run() raises a DataError (a DataExhausted where
+it ran out) whose `report` has the steps trained, and the trainer holds exactly what a run of
+that many steps leaves, for every schedule, delay ratio and placement: it matches plain
+PyTorch on the batches trained, goes on training, saves and loads. Before, each of these
+failed the run (ActorFailed) and closed the trainer, every step of it lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from snake import AdamW, DataError, DataExhausted, Placement, SnakeConfig, SnakeTrainer
+from tests.helpers import assert_close_state, batches, reference, tiny_gpt
+
+MIXED = Placement(param=0.3, ckpt=0.3, opt=0.3, grad=0.0)  # every kind partly on SSD, the waiting gradients too
+
+CASES = {  # (model keywords, config keywords, frozen bottom block, reference keywords)
+    "vertical-delayed": ({}, dict(alpha=0.3, placement=MIXED), False, {}),
+    "vertical-now": ({}, dict(alpha=0.0, placement=MIXED), False, {}),
+    "vertical-all-ssd-m1": ({}, dict(alpha=0.3, placement=Placement.all_ssd(), micro_batches=1), False, {}),
+    "horizontal": ({}, dict(schedule="horizontal", alpha=0.3, placement=MIXED), False, {}),
+    "horizontal-all-cpu": ({}, dict(schedule="horizontal", alpha=0.0, placement=Placement.all_cpu()), False, {}),
+    "one-layer": (dict(n_layer=1), dict(alpha=0.3, placement=MIXED), False, {}),
+    "frozen-bottom": ({}, dict(alpha=0.3, placement=MIXED), True, {}),
+    "clipped": ({}, dict(alpha=1.0, placement=MIXED, optimizer=AdamW(max_grad_norm=0.3)), False, dict(max_norm=0.3)),
+}
+
+
+def _model(model_kw: dict, frozen: bool) -> torch.nn.Module:
+    m = tiny_gpt(**{"n_layer": 3, "bias": False, **model_kw})
+    if frozen:
+        m.blocks[0].requires_grad_(False)
+    return m
+
+
+def _cfg(path, config_kw: dict) -> SnakeConfig:
+    return SnakeConfig(**{"micro_batches": 2, "device": "cpu", "offload_dir": path, "stall_timeout_s": 20.0,
+                          **config_kw})
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("left", [0, 2])
+async def test_data_that_runs_out_ends_the_run_after_its_last_batch(tmp_path, case, left):
+    """One step, then run(6) over `left` batches: DataExhausted after `left` steps, and the
+    weights match PyTorch's over the 1 + left batches; saved, loaded into a trainer with more
+    data (load(..., skip_data=False)), two more steps match PyTorch's over all of them."""
+    model_kw, config_kw, frozen, ref_kw = CASES[case]
+    data = batches(1 + left + 2, 4)
+    seen = []
+    async with SnakeTrainer(_model(model_kw, frozen), data=iter(data[: 1 + left]),
+                            config=_cfg(tmp_path / "a", config_kw)) as t:
+        await asyncio.wait_for(t.run(1), 60)
+        with pytest.raises(DataExhausted, match=rf"ran out after {1 + left} global batches.* run\(6\) stopped "
+                                                rf"cleanly after {left} of its steps, before iteration {1 + left}") as e:
+            await asyncio.wait_for(t.run(6, on_step=seen.append), 60)
+        assert [s.step for s in e.value.report.steps] == [s.step for s in seen] == list(range(1, 1 + left))
+        assert t.engine is not None and t.engine.next_t == 1 + left
+        await t.save(tmp_path / "ckpt")
+        got = await t.state_dict()
+    want, _ = reference(_model(model_kw, frozen), data[: 1 + left], 2 if "micro_batches" not in config_kw else 1,
+                        **ref_kw)
+    assert_close_state(got, want)
+    async with SnakeTrainer(_model(model_kw, frozen), data=data[1 + left:], config=_cfg(tmp_path / "b", config_kw)) as t:
+        await t.load(tmp_path / "ckpt", skip_data=False)
+        await asyncio.wait_for(t.run(2), 60)
+        got = await t.state_dict()
+    want, _ = reference(_model(model_kw, frozen), data, 2 if "micro_batches" not in config_kw else 1, **ref_kw)
+    assert_close_state(got, want)
+
+
+class _Flaky:
+    """An iterator over `data` whose next() raises once, at item `bad` (a network read that
+    timed out), and goes on after it with the item it could not give."""
+
+    def __init__(self, data, bad: int) -> None:
+        self.data, self.bad, self.i, self.raised = data, bad, 0, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i == self.bad and not self.raised:
+            self.raised = True
+            raise ConnectionError("the shard server timed out\n(its traceback)")
+        if self.i >= len(self.data):
+            raise StopIteration
+        self.i += 1
+        return self.data[self.i - 1]
+
+
+class _AsyncOf:
+    """An async iterator over a sync one (an async generator that raised would be done)."""
+
+    def __init__(self, it) -> None:
+        self.it = it
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        try:
+            return next(self.it)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_a_next_that_raises_stops_the_run_and_the_trainer_goes_on(tmp_path, is_async):
+    """The data's next() raises at the fourth batch: run(6) raises a DataError naming it
+    (its first line; the whole error is the `__cause__`) after three steps, and the next run
+    trains on from the batch the data gives then, to PyTorch's weights over the six."""
+    data = batches(6, 4)
+    flaky = _Flaky(data, bad=3)
+    source = _AsyncOf(flaky) if is_async else flaky
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=MIXED))
+    async with SnakeTrainer(_model({}, False), data=source, config=cfg) as t:
+        with pytest.raises(DataError, match=r"^data: its next\(\) raised ConnectionError: the shard server timed out "
+                                            r"\(global batch 3 of this trainer's\)\. run\(6\) stopped cleanly after 3 "
+                                            r"of its steps, before iteration 3") as e:
+            await asyncio.wait_for(t.run(6), 60)
+        assert not isinstance(e.value, DataExhausted)
+        assert isinstance(e.value.__cause__, ConnectionError) and "(its traceback)" in str(e.value.__cause__)
+        assert len(e.value.report.steps) == 3
+        assert e.value.report.traffic == t.traffic()  # the last step's, as a run's report has
+        await asyncio.wait_for(t.run(3), 60)
+        got = await t.state_dict()
+    want, _ = reference(_model({}, False), data, 2)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_batch_after_slow_ones_stops_the_run_where_it_is(tmp_path):
+    """A source slower than the steps (30 ms a batch) whose fourth batch has the wrong shape:
+    the actors wait for each batch before its iteration's work, so the run stops after three
+    steps with nothing of the fourth begun (the weights match PyTorch's over three batches),
+    and the trainer trains on."""
+    data = batches(5, 4)
+    bad = (torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long))
+
+    def slow():
+        for item in [*data[:3], bad, *data[3:]]:
+            time.sleep(0.03)
+            yield item
+
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=Placement.all_ssd()))
+    async with SnakeTrainer(_model({}, False), data=slow(), config=cfg) as t:
+        with pytest.raises(DataError, match=r"batch inputs have shape \(6, 16\).* after 3 of its steps") as e:
+            await asyncio.wait_for(t.run(5), 60)
+        assert len(e.value.report.steps) == 3
+        got = await t.state_dict()
+        want, _ = reference(_model({}, False), data[:3], 2)
+        assert_close_state(got, want)
+        await asyncio.wait_for(t.run(2), 60)
+        got = await t.state_dict()
+    want, _ = reference(_model({}, False), data, 2)
+    assert_close_state(got, want)
