@@ -209,6 +209,12 @@ class DataSource:
         pending.cancel()
         await asyncio.wait([pending], timeout=grace)
 
+    def unread(self, item: Any) -> None:
+        """Hand `item` out again first (a batch a run read but stopped before training on:
+        items handed back in the reverse of their order come out in it)."""
+        self._peeked.append(item)
+        self.consumed -= 1
+
     @property
     def is_async(self) -> bool:
         return self._aiter is not None

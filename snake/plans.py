@@ -17,6 +17,12 @@ waits on something queued behind itself:
              (its last backward stage; at alpha = 1 it steps nothing and only takes the
              gradient); the delayed alpha share in the next iteration, two stages before
              l's forward (and never before the now-step it follows).
+
+Each plan is iteration-major: no operation of iteration t comes before one of t - 1 (the
+reads' sort key has t right after the start stage, and no read of t starts before the last
+read of t - 1 does). So an actor waiting for iteration t to begin, its batch in hand
+(`StageClock`), holds nothing of t - 1 back: a source slower than the steps delays the
+iteration it feeds, not the one before.
 """
 
 from __future__ import annotations
@@ -181,7 +187,7 @@ class Plans:
             opt_start = step.key - 1
             if has_tail("opt", unit):
                 opt_tag: tuple = ("tail", "opt", unit, step.t, step.kind)
-                sort = (opt_start, 0, step.key, step.part, step.layer, 0)
+                sort = (opt_start, t, 0, step.key, step.part, step.layer, 0)
                 ops.append(ReadOp(t, "opt", unit, step.step - 1, opt_start, opt_tag, sort))
                 seq += 1
             if step.kind == "delayed" and has_tail("grad", unit) and not self.grad_stays(step.layer):
@@ -190,7 +196,7 @@ class Plans:
                 # while they wait behind it); and ahead of the param read that waits for this step
                 grad_start = max(opt_start, min(self.key_now(t - 1, step.layer) + 1, step.key))
                 grad_tag: tuple = ("tail", "grad", unit, step.t, step.kind)
-                sort = (grad_start, 0, step.key, step.part, step.layer, 1)
+                sort = (grad_start, t, 0, step.key, step.part, step.layer, 1)
                 ops.append(ReadOp(t, "grad", unit, step.grads_of + 1, grad_start, grad_tag, sort))
                 seq += 1
         for ld in self.loads:
@@ -206,12 +212,12 @@ class Plans:
                     unit = (ld.layer, part)
                     if has_tail("param", unit):
                         tag = ("tail", "param", unit, g)
-                        ops.append(ReadOp(t, "param", unit, t, start, tag, (start, 1, g, seq, 0)))
+                        ops.append(ReadOp(t, "param", unit, t, start, tag, (start, t, 1, g, seq, 0)))
                         seq += 1
             elif ld.kind == "ckpt" and self.stages[ld.need].phase == "bwd":
                 unit = (ld.layer, ld.micro_batch)
                 if has_tail("ckpt", unit):
                     tag = ("tail", "ckpt", unit, g)
-                    ops.append(ReadOp(t, "ckpt", unit, t + 1, g - CKPT_LEAD, tag, (g - CKPT_LEAD, 1, g, seq, 0)))
+                    ops.append(ReadOp(t, "ckpt", unit, t + 1, g - CKPT_LEAD, tag, (g - CKPT_LEAD, t, 1, g, seq, 0)))
                     seq += 1
         return sorted(ops, key=lambda op: op.sort)

@@ -1,8 +1,9 @@
 """One `run()`: build the mailboxes and actors for a range of iterations and run them
 under one TaskGroup. The first actor failure cancels the rest and surfaces as
 `ActorFailed`, naming the actor and where it was, chained from the cause. Data that runs
-out, raises or gives a bad batch part-way is no failure of the run: it ends cleanly before
-that iteration and raises `DataStopped`."""
+out, raises or gives a bad batch part-way, a stop asked for (`RunControl`) and an `on_step`
+that raises are no failure of the run: it ends cleanly before an iteration not yet begun
+(and raises `RunStopped` where that is an error)."""
 
 from __future__ import annotations
 
@@ -21,18 +22,35 @@ from snake.engine import Engine
 from snake.errors import ActorFailed, StallError
 
 
-class DataStopped(Exception):
-    """The data ran out, raised or gave a bad batch part-way through a run, which ended
-    cleanly before that iteration (`StageClock.stop_at`): `cause` is what stopped it,
-    `reports` the steps it trained (of the `steps` asked for). Every actor finished, no
-    work of the iteration without a batch began: the trainer is where a run of
-    `len(reports)` steps leaves it (`SnakeTrainer.run` raises the cause as a `DataError`)."""
+class RunStopped(Exception):
+    """A run ended cleanly before its last iteration, and that is an error to raise: the
+    data ran out, raised or gave a bad batch (`by` "data": `StageClock.stop_at`), or the
+    user's `on_step` raised (`by` "on_step": the run stopped before its first iteration
+    not yet begun). `cause` is what stopped it, `reports` the steps it trained (of the
+    `steps` asked for). Every actor finished and none began any work of an iteration not
+    trained: the trainer is where a run of `len(reports)` steps leaves it."""
 
-    def __init__(self, cause: Exception, reports: list[StepReport], steps: int) -> None:
-        super().__init__(f"the data stopped the run after {len(reports)} of {steps} steps: {cause}")
+    def __init__(self, by: str, cause: Exception, reports: list[StepReport], steps: int) -> None:
+        super().__init__(f"{by} stopped the run after {len(reports)} of {steps} steps: {cause}")
+        self.by = by
         self.cause = cause
         self.reports = reports
         self.steps = steps
+
+
+class RunControl:
+    """How the trainer asks a run in progress to stop early (`SnakeTrainer.stop`): the run
+    ends before its first iteration not yet begun. Called on the run's loop; a stop asked
+    for before the run's clock exists (the first run still setting up) applies as it starts."""
+
+    def __init__(self) -> None:
+        self.clock: StageClock | None = None
+        self.asked = False
+
+    def stop(self) -> None:
+        self.asked = True
+        if self.clock is not None:
+            self.clock.request_stop()
 
 
 class _Interrupted(Exception):
@@ -113,10 +131,11 @@ def build_actors(
     e = engine
     depth = max(4, 2 * e.M)
     compute_in = Mailbox("compute", depth)
-    # batches have a mailbox of their own, of one: in `compute_in` the compute actor's waits
-    # for loads stashed every batch that came, so the data actor read on without bound (the
-    # whole run's batches, on the device, before the first step ended)
-    batches_in = Mailbox("batches", 1)
+    # batches have a mailbox of their own: in `compute_in` the compute actor's waits for
+    # loads stashed every batch that came, so the data actor read on without bound (the
+    # whole run's batches, on the device, before the first step ended). It holds two at
+    # most: batch t is read once compute took batch t - 2 (`StageClock.may_read`)
+    batches_in = Mailbox("batches", 2)
     d2h_in = Mailbox("d2h", depth)
     h2d_in = Mailbox("h2d", depth)
     write_in = Mailbox("ssd_write", 2 * depth)
@@ -148,7 +167,10 @@ async def run_iterations(
     *,
     vocab: Vocab,
     on_step: Callable[[StepReport], None] | None = None,
+    control: RunControl | None = None,
 ) -> list[StepReport]:
+    """The run's step reports: `steps` of them, or fewer where `control` stopped it early.
+    RunStopped where the data or `on_step` stopped it (the steps it trained are kept)."""
     iterations = range(engine.next_t, engine.next_t + steps)
     # pre/post train (their dropout on) as the layers' shells do, whatever mode the user's
     # model was put in since the last run (`Kernels.restore_modes` gives theirs back at close)
@@ -156,6 +178,10 @@ async def run_iterations(
     reports: list[StepReport] = []
     clock = StageClock(start=iterations.start * engine.S - 1, iterations=iterations)
     actors, mailboxes = build_actors(engine, source, clock, reports, vocab=vocab, on_step=on_step)
+    if control is not None:
+        control.clock = clock
+        if control.asked:
+            clock.request_stop()
     for a in actors:
         a.fault_hook = engine.fault_hook
         a.on_cancel = engine.stop.set
@@ -173,14 +199,21 @@ async def run_iterations(
         for other in failures[1:]:
             first.add_note(f"also: {other}")
         raise first from first.__cause__
+    # batches read for iterations the run stopped before: handed out again, in order, next time
+    unread = sorted(next(m for m in mailboxes if m.name == "batches").pending(), key=lambda b: b.t)
+    assert all(b.t >= clock.end for b in unread), "a batch of a trained iteration left over (internal error)"
+    for batch in reversed(unread):
+        source.unread(batch)
     leftovers = [m.name for m in mailboxes if m.pending()]
     assert not leftovers, f"messages left undelivered in {leftovers} (internal error)"
     engine.check_pools()
     engine.next_t = clock.end
     if clock.end > iterations.start:
         engine.traffic.finish(clock.end - 1)
+    if clock.failed_callback is not None:
+        raise RunStopped("on_step", clock.failed_callback, reports, steps)
     if clock.stopped_by is not None:
-        raise DataStopped(clock.stopped_by, reports, steps)
+        raise RunStopped("data", clock.stopped_by, reports, steps)
     return reports
 
 

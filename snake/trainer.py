@@ -39,7 +39,7 @@ from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stop
 from snake.lr import check_rates
 from snake.offload_dir import DirLock, check_offload_dir, memory_fs
 from snake.optim import decay_flags
-from snake.runtime import DataStopped, run_iterations
+from snake.runtime import RunControl, RunStopped, run_iterations
 from snake.trace import Tracer
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ class RunReport:
 
     steps: list[StepReport]
     traffic: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    stopped: bool = False  # the run ended early, as `stop()` asked: fewer steps than run(steps)
 
     @property
     def seconds(self) -> float:
@@ -137,6 +138,8 @@ class SnakeTrainer:
         # the frozen parameters' digests, taken at the first save or load (snake.checkpoint)
         self._frozen_digests: dict[str, str] | None = None
         self._running = False
+        self._control: RunControl | None = None  # the run() in progress's: `stop()` asks it
+        self._control_loop: asyncio.AbstractEventLoop | None = None
         self._calling = ""  # the public call starting now (`_releasing`)
         self._doing = ""  # the one in progress, named in a refusal
         self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
@@ -153,7 +156,11 @@ class SnakeTrainer:
     @_releasing
     async def run(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> RunReport:
         """Train `steps` iterations (continuing from the last run). `on_step` is called on the
-        event loop with each step's report as it finishes (keep it quick)."""
+        event loop with each step's report as it finishes (keep it quick). The run ends
+        early and cleanly where `stop()` asks it to (the report says `stopped`), where the
+        data runs out, raises or gives a bad batch (a `DataError`), or where `on_step`
+        raises (its exception, with a note): each time before a step not yet begun, the
+        steps trained kept and the trainer usable."""
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ConfigError("steps", steps, "must be an integer >= 1")
         _check_on_step(on_step)
@@ -169,6 +176,8 @@ class SnakeTrainer:
             )
         self.source.check_enough(steps)  # else the run would stop short, where the data ends
         self._begin()
+        control = self._control = RunControl()
+        self._control_loop = asyncio.get_running_loop()
         try:
             if self.engine is None:
                 await self._setup()
@@ -177,11 +186,16 @@ class SnakeTrainer:
             # setting up (also by a load() or evaluate() in another loop) binds none
             self._loop = asyncio.get_running_loop()
             reports = await run_iterations(
-                self.engine, self.source, steps, vocab=self._vocab, on_step=on_step
+                self.engine, self.source, steps, vocab=self._vocab, on_step=on_step, control=control
             )
-        except DataStopped as stop:  # ended cleanly before the batch it lacks: the trainer goes on
+        except RunStopped as stop:  # ended cleanly before a step not yet begun: the trainer goes on
             traffic = self.engine.traffic.last() if stop.reports and self.engine is not None else {}
-            raise _data_stopped(stop, RunReport(stop.reports, traffic), first) from stop.cause
+            if stop.by == "data":
+                raise _data_stopped(stop, RunReport(stop.reports, traffic), first) from stop.cause
+            stop.cause.add_note(
+                f"snake: on_step raised this; run({steps}) stopped cleanly after {len(stop.reports)} of its steps "
+                f"(their reports came to on_step): the trainer holds what they trained and is usable")
+            raise stop.cause from None
         except BaseException as exc:
             # before the engine exists a bad input or a cancellation leaves nothing behind
             # (_setup): the trainer can be given another try
@@ -191,8 +205,36 @@ class SnakeTrainer:
                 await self.source.close(_NEXT_GRACE_S)  # closed: it holds no iterator of the data
             raise
         finally:
+            self._control = None
             self._end()
-        return RunReport(reports, self.engine.traffic.last())
+        traffic = self.engine.traffic.last() if reports else {}
+        return RunReport(reports, traffic, stopped=len(reports) < steps)
+
+    def stop(self) -> bool:
+        """Ask the `run()` in progress to end early and cleanly: before its first step not
+        yet begun (the step running finishes, and the one after it where that one's work
+        has begun: a step's reads start while the one before ends). No more batches are
+        read (a `next()` in progress finishes for the next run); batches read for steps
+        that do not run are handed out again by the next run, in order. That run() then
+        returns the steps it trained, its report saying `stopped`, and the trainer is usable
+        (`save()`, `run()` on). Callable from any thread (a signal handler's loop, a
+        service's request handler). Returns whether a run was in progress; without one it
+        does nothing."""
+        control, loop = self._control, self._control_loop
+        if control is None or loop is None:
+            return False
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            control.stop()
+            return True
+        try:
+            loop.call_soon_threadsafe(control.stop)
+        except RuntimeError:  # its loop is closed: no run is in progress there
+            return False
+        return True
 
     def traffic(self) -> dict[tuple[str, str, str], int]:
         """Bytes moved in the last finished iteration, by (src tier, dst tier, kind)."""
@@ -649,8 +691,8 @@ class SnakeTrainer:
 
 
 
-def _data_stopped(stop: DataStopped, report: RunReport, first: int) -> DataError:
-    """The error run() raises where the data stopped it part-way (`DataStopped`): the data's
+def _data_stopped(stop: RunStopped, report: RunReport, first: int) -> DataError:
+    """The error run() raises where the data stopped it part-way (`RunStopped`): the data's
     own words (or what its next() raised), then what the run did and what the trainer holds.
     A DataExhausted where the data ran out, else a DataError."""
     cause, done = stop.cause, len(stop.reports)

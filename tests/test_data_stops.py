@@ -161,3 +161,126 @@ async def test_a_bad_batch_after_slow_ones_stops_the_run_where_it_is(tmp_path):
         got = await t.state_dict()
     want, _ = reference(_model({}, False), data, 2)
     assert_close_state(got, want)
+
+
+# -- stop(): a run asked to end early, and an on_step that raises --------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", ["vertical-delayed", "horizontal", "one-layer", "vertical-all-ssd-m1"])
+async def test_stop_ends_the_run_after_the_steps_begun_and_loses_no_batch(tmp_path, case):
+    """stop() from on_step after the second step: run(8) returns early, its report saying
+    `stopped`, after the steps already begun (two or three here: a step's reads begin while
+    the one before ends). The weights match PyTorch's over the steps trained; the batches
+    read for steps that did not run come first in the next run, which ends at PyTorch's
+    weights over all eight batches: none lost, none trained twice."""
+    model_kw, config_kw, frozen, ref_kw = CASES[case]
+    micro = 2 if "micro_batches" not in config_kw else 1
+    data = batches(8, 4)
+    async with SnakeTrainer(_model(model_kw, frozen), data=iter(data), config=_cfg(tmp_path / "a", config_kw)) as t:
+        def on_step(s):
+            if s.step == 1:
+                assert t.stop()
+
+        report = await asyncio.wait_for(t.run(8, on_step=on_step), 60)
+        done = len(report.steps)
+        assert report.stopped and 2 <= done <= 4, done
+        assert t.engine is not None and t.engine.next_t == done
+        got = await t.state_dict()
+        want, _ = reference(_model(model_kw, frozen), data[:done], micro, **ref_kw)
+        assert_close_state(got, want)
+        rest = await asyncio.wait_for(t.run(8 - done), 60)
+        assert not rest.stopped and len(rest.steps) == 8 - done
+        got = await t.state_dict()
+    want, _ = reference(_model(model_kw, frozen), data, micro, **ref_kw)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_stop_from_another_thread_does_not_wait_for_a_blocked_next(tmp_path):
+    """A source whose fourth next() blocks (a stalled shard server), stop() from another
+    thread: the run ends after its three steps at once, not waiting for that next(), which
+    finishes on its own thread and gives the next run its batch; all five batches train
+    once. stop() without a run in progress does nothing and says so."""
+    import threading
+
+    data = batches(5, 4)
+    release = threading.Event()
+
+    def stalls():
+        for i, item in enumerate(data):
+            if i == 3:
+                assert release.wait(30)
+            yield item
+
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=MIXED))
+    async with SnakeTrainer(_model({}, False), data=stalls(), config=cfg) as t:
+        assert not t.stop()
+        loop_thread = threading.get_ident()
+        stopper = []
+
+        def on_step(s):
+            if s.step == 2:  # the last step with a batch: stop() once the fourth next() blocks
+                def later():
+                    time.sleep(0.2)
+                    stopper.append((threading.get_ident() != loop_thread, t.stop()))
+                threading.Thread(target=later).start()
+
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(t.run(5, on_step=on_step), 30)
+        assert time.monotonic() - t0 < 20
+        assert stopper == [(True, True)]
+        assert report.stopped and len(report.steps) == 3
+        release.set()
+        rest = await asyncio.wait_for(t.run(2), 30)
+        assert len(rest.steps) == 2
+        got = await t.state_dict()
+        assert not t.stop()
+    want, _ = reference(_model({}, False), data, 2)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_stop_while_the_first_run_sets_up_trains_no_step(tmp_path):
+    """stop() as the first run builds its engine: the run returns no step, `stopped`, and
+    the trainer trains on from the first batch."""
+    data = batches(3, 4)
+    async with SnakeTrainer(_model({}, False), data=iter(data), config=_cfg(tmp_path / "off", {})) as t:
+        run = asyncio.ensure_future(t.run(3))
+        while t._control is None:  # noqa: ASYNC110 - run() sets it as it starts: nothing to wait on
+            await asyncio.sleep(0)
+        assert t.engine is None and t.stop()
+        report = await asyncio.wait_for(run, 60)
+        assert report.stopped and report.steps == [] and report.traffic == {}
+        await asyncio.wait_for(t.run(3), 60)
+        got = await t.state_dict()
+    want, _ = reference(_model({}, False), data, 2)
+    assert_close_state(got, want)
+
+
+@pytest.mark.asyncio
+async def test_an_on_step_that_raises_stops_the_run_cleanly(tmp_path):
+    """on_step raises at the second step: run() raises that exception, with a note, once the
+    steps begun have finished; the trainer holds them (PyTorch's weights over those steps)
+    and trains on over the rest of the batches. Before, the run failed (ActorFailed) and
+    closed the trainer."""
+    data = batches(6, 4)
+    seen = []
+
+    def on_step(s):
+        seen.append(s.step)
+        if s.step == 1:
+            raise KeyError("my dashboard is down")
+
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=MIXED))
+    async with SnakeTrainer(_model({}, False), data=iter(data), config=cfg) as t:
+        with pytest.raises(KeyError, match="my dashboard is down") as e:
+            await asyncio.wait_for(t.run(6, on_step=on_step), 60)
+        assert any("on_step raised this" in n and "stopped cleanly" in n for n in e.value.__notes__)
+        done = t.engine.next_t
+        assert 2 <= done <= 4 and seen == list(range(done))
+        got = await t.state_dict()
+        assert_close_state(got, reference(_model({}, False), data[:done], 2)[0])
+        await asyncio.wait_for(t.run(6 - done), 60)
+        got = await t.state_dict()
+    assert_close_state(got, reference(_model({}, False), data, 2)[0])

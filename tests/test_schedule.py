@@ -1,5 +1,7 @@
 """The schedule is pure: stage order, snake order, carried inputs, leads."""
 
+import itertools
+
 import pytest
 
 from snake.plans import Plans
@@ -91,3 +93,26 @@ def test_the_read_plan_is_heapq_merges_order_built_an_iteration_at_a_time(schedu
     plan = plans.read_plan(counted(), tails, first_delayed)  # type: ignore[arg-type]
     next(plan)
     assert len(made) <= 3
+
+
+@pytest.mark.parametrize("mode", ["vertical", "horizontal"])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_every_plan_is_iteration_major(mode, delayed):
+    """No operation of iteration t comes before one of t - 1 in any actor's plan: an actor
+    waiting for iteration t's batch (a source slower than the steps, or one blocked) then
+    holds nothing of t - 1 back. The read plan interleaved the two at the stage where one
+    ends and the other begins, so a blocked source held up the last backward stage's
+    checkpoint read behind the next iteration's optimizer-state read, and the step before
+    it never finished (a stall)."""
+    for n, m, lowest, first_delayed in itertools.product([1, 2, 5], [1, 2, 4], [0, 1], [0, 1, 3]):
+        if lowest >= n:
+            continue
+        plans = Plans(build_schedule(n, m, mode, lowest), n, delayed=delayed)
+        reads = list(plans.read_plan(range(5), lambda kind, unit: True, first_delayed))
+        h2d = list(plans.h2d_plan(range(5)))
+        steps = list(plans.worker_plan(range(5), list(range(n)), first_delayed))
+        for name, ops in (("read", reads), ("h2d", h2d), ("optimizer", steps)):
+            ts = [op.t for op in ops]
+            assert ts == sorted(ts), (name, n, m, lowest, first_delayed)
+        for t in range(1, 5):  # and no read of t starts before the last of t - 1
+            assert max(op.start for op in reads if op.t == t - 1) <= min(op.start for op in reads if op.t == t)

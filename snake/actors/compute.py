@@ -172,6 +172,7 @@ class Compute(Actor):
             if not await self.clock.runs(t):
                 break  # the data stopped the run: iteration t has no batch
             batch: BatchReady = await self.batches.take(("batch", t))
+            await self.clock.took(t)
             waited = time.perf_counter() - waited
             losses: list[torch.Tensor] = []
             box: _Box | None = None  # the output the stage before kept on the device
@@ -220,7 +221,10 @@ class Compute(Actor):
             t0 = end  # on_step's time is the next step's: the steps' seconds add up to the run's
             self.reports.append(report)
             if self.on_step is not None:
-                self.on_step(report)
+                try:
+                    self.on_step(report)
+                except Exception as exc:  # the run stops before its next step not begun, then raises it
+                    self.clock.request_stop(exc)
         await self.d2h.put(Stop(self.name))
 
     # -- queued jobs --------------------------------------------------------------------

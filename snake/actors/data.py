@@ -1,21 +1,26 @@
 """The data actor: pulls global batches from the user's data, validates and splits them
 (into copies of their own: a loader may refill its tensors), and hands them to compute: at
-most two ahead of the step running (one in the `batches` mailbox of one, one waiting to be
-put), and only this run's (a run reads as many batches as it has steps). It tells the clock
-each batch it has (`StageClock.have`: the other actors start no work of an iteration before
-its batch is in hand) and, where the data runs out, raises or gives a bad batch, stops the
+most two ahead of the step running (batch t once compute took batch t - 2: `StageClock.may_read`),
+and only this run's (a run reads as many batches as it has steps). It tells the clock
+each batch it has (`StageClock.got`: no actor starts any work of an iteration before its
+batch is in hand) and, where the data runs out, raises or gives a bad batch, stops the
 run there (`StageClock.stop_at`): the run ends cleanly after the iteration before, and
-`run()` raises the data's error with the trainer still usable.
+`run()` raises the data's error with the trainer still usable. Once a stop is asked for
+it reads no more (a next() in progress goes on in the source, for the next run).
 
 | consumes  | the user's iterable / async iterable                                   |
 | produces  | BatchReady -> compute                                                  |
 | waits for | the next item (traced `next(data)`; sync iterators on the data thread) |
-| unblocked | by compute taking batches (its mailbox is bounded)                     |
+| unblocked | by compute taking batch t - 2 (`StageClock.took`), or a stop          |
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
+from concurrent.futures import Executor
+from typing import Any
 
 import torch
 
@@ -52,10 +57,12 @@ class DataFeeder(Actor):
         ex = self.e.executors["data"]
         for t in self.clock.iterations():
             self.at(t)
+            if not await self.clock.may_read(t):
+                return  # the run stops early: no more batches are read
             label, start = f"next(data) {t}", self.tracer.now()
             self.busy = (label, start)  # the stall watchdog names a slow source
             try:
-                item = await self.source.next(ex)
+                item = await self._next(ex)
             except Exception as exc:  # the user's iterator raised, or ran out (DataError)
                 await self.clock.stop_at(t, exc)
                 return
@@ -63,18 +70,47 @@ class DataFeeder(Actor):
                 self.busy = None
                 # a span like any work: a slow source shows on the data track, not as idle
                 self.tracer.add(self.name, label, start, self.tracer.now())
-            split = functools.partial(
-                split_batch,
-                item,
-                micro_batches=self.e.M,
-                device=self.e.device,
-                expect_shape=self.expect_shape,
-                vocab=self.vocab,
-            )
-            try:
-                ins, tgs, tokens, trained = await self.work(ex, f"batch {t}", split)
-            except DataError as exc:  # a bad batch: its shape, dtype or values
-                await self.clock.stop_at(t, exc)
-                return
-            await self.clock.have(t)
-            await self.compute.put(BatchReady(t, ins, tgs, tokens, trained))
+            if item is _STOPPING:
+                return  # its next() goes on in the source: the next run's first batch
+            if isinstance(item, BatchReady):  # split by a run that stopped before its step
+                ready = dataclasses.replace(item, t=t)
+            else:
+                split = functools.partial(
+                    split_batch,
+                    item,
+                    micro_batches=self.e.M,
+                    device=self.e.device,
+                    expect_shape=self.expect_shape,
+                    vocab=self.vocab,
+                )
+                try:
+                    ins, tgs, tokens, trained = await self.work(ex, f"batch {t}", split)
+                except DataError as exc:  # a bad batch: its shape, dtype or values
+                    await self.clock.stop_at(t, exc)
+                    return
+                ready = BatchReady(t, ins, tgs, tokens, trained)
+            await self.clock.got(t)
+            await self.compute.put(ready)  # never waits: `may_read` keeps it to two
+
+    async def _next(self, ex: Executor) -> Any:
+        """The data's next item, or _STOPPING where the run is to stop first (the next()
+        goes on: the source hands its item out next time, as after a cancellation)."""
+        item = asyncio.ensure_future(self.source.next(ex))
+        stop = asyncio.ensure_future(self.clock.stopping.wait())
+        try:
+            await asyncio.wait([item, stop], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            item.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if item.done():
+            return item.result()
+        item.cancel()
+        await asyncio.wait([item])
+        if not item.cancelled() and item.exception() is None:  # it came as it was cancelled
+            self.source.unread(item.result())
+        return _STOPPING
+
+
+_STOPPING = object()
