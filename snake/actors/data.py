@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+from collections.abc import Awaitable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -95,7 +96,7 @@ class DataFeeder(Actor):
     async def _next(self, ex: Executor) -> Any:
         """The data's next item, or _STOPPING where the run is to stop first (the next()
         goes on: the source hands its item out next time, as after a cancellation)."""
-        item = asyncio.ensure_future(self.source.next(ex))
+        item = asyncio.ensure_future(_carrying(self.source.next(ex)))
         stop = asyncio.ensure_future(self.clock.stopping.wait())
         try:
             await asyncio.wait([item, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -105,12 +106,33 @@ class DataFeeder(Actor):
         finally:
             stop.cancel()
         if item.done():
-            return item.result()
+            got = item.result()
+            if isinstance(got, _Carried):
+                raise got.exc  # here, in the actor's task, which carries it to run()
+            return got
         item.cancel()
         await asyncio.wait([item])
         if not item.cancelled() and item.exception() is None:  # it came as it was cancelled
-            self.source.unread(item.result())
+            got = item.result()
+            if isinstance(got, _Carried):
+                raise got.exc
+            self.source.unread(got)
         return _STOPPING
 
 
 _STOPPING = object()
+
+
+class _Carried:
+    """A KeyboardInterrupt or SystemExit the data's next() raised, returned by its task (a
+    task that raises either re-raises it out of the event loop as well: it came twice)."""
+
+    def __init__(self, exc: KeyboardInterrupt | SystemExit) -> None:
+        self.exc = exc
+
+
+async def _carrying(next_item: Awaitable[Any]) -> Any:
+    try:
+        return await next_item
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return _Carried(exc)
