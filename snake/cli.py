@@ -14,7 +14,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -368,7 +368,9 @@ def _check_can_create(option: str, text: str, where: Path, fix: str, *, probe_pr
 
 
 class _Interrupted(Exception):
-    """SIGINT or SIGTERM stopped `snake train`: its run was cancelled and the trainer closed."""
+    """SIGINT or SIGTERM stopped `snake train`: its run stopped after the steps in flight
+    (their checkpoint saved, where --checkpoint is given), or was cancelled (a second
+    signal, or one while it set up, evaluated or saved) and the trainer closed."""
 
     def __init__(self, signum: int, steps: int, saved: tuple[str, int] | None = None) -> None:
         kept = (f"; the checkpoint in {saved[0]} holds step {saved[1]} (--resume {saved[0]} to go on)"
@@ -380,32 +382,49 @@ class _Interrupted(Exception):
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class _Signals:
+    """SIGINT and SIGTERM while `snake train` runs. The first asks the run in progress to
+    stop after the steps in flight (`graceful`, where one is set and says it will: the run
+    then ends as it would, keeping what it trained); else, or at a second signal, the task
+    is cancelled, once: a later signal is ignored, so the trainer's cleanup is not cut
+    short. `caught`: the signals caught."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.caught: list[int] = []
+        self.graceful: Callable[[], bool] | None = None
+        self._task = task
+        self._cancelled = False
+
+    def on_signal(self, signum: int) -> None:
+        self.caught.append(signum)
+        if len(self.caught) == 1 and self.graceful is not None and self.graceful():
+            print(f"\nsnake train: {signal.Signals(signum).name}: stopping after the steps in flight "
+                  f"(again to stop at once)", file=sys.stderr)
+            return
+        if not self._cancelled:
+            self._cancelled = True
+            self._task.cancel()
+
+
 @contextlib.contextmanager
-def _signals_cancel_this_task() -> Iterator[list[int]]:
-    """While inside, SIGINT and SIGTERM cancel the running task, once: a later signal is
-    ignored, so the trainer's cleanup is not cut short. Yields the signals caught. The
-    handlers before are put back at the end (off the main thread, or where the loop has no
-    signal handlers, the signals keep them throughout)."""
+def _signals_cancel_this_task() -> Iterator[_Signals]:
+    """While inside, SIGINT and SIGTERM go to a `_Signals` of the running task (yielded).
+    The handlers before are put back at the end (off the main thread, or where the loop has
+    no signal handlers, the signals keep them throughout)."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    caught: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        if not caught:
-            task.cancel()
-        caught.append(signum)
-
+    signals = _Signals(task)
     before: dict[signal.Signals, Any] = {}
     try:
         for signum in _STOP_SIGNALS:
             handler = signal.getsignal(signum)
             try:
-                loop.add_signal_handler(signum, on_signal, signum)
+                loop.add_signal_handler(signum, signals.on_signal, signum)
             except (NotImplementedError, RuntimeError, ValueError):
                 continue
             before[signum] = handler
-        yield caught
+        yield signals
     finally:
         for signum, handler in before.items():
             loop.remove_signal_handler(signum)
@@ -413,21 +432,28 @@ def _signals_cancel_this_task() -> Iterator[list[int]]:
                 signal.signal(signum, handler)
 
 
+class _StoppedBySignal(Exception):
+    """The run stopped after the steps in flight, as a signal asked (`_Signals.graceful`)."""
+
+
 async def _train(args: argparse.Namespace, subject: Subject, config: SnakeConfig, resumed: dict | None) -> int:
     """The run; _Interrupted when SIGINT or SIGTERM stopped it. `resumed`: the --resume
     checkpoint and its step, for report.json."""
     steps: list[dict] = []
-    with _signals_cancel_this_task() as caught:
+    with _signals_cancel_this_task() as signals:
+        caught = signals.caught
         try:
-            return await _train_run(args, subject, config, steps, resumed)
+            return await _train_run(args, subject, config, steps, resumed, signals)
+        except _StoppedBySignal:
+            pass
         except asyncio.CancelledError:
             if not caught:
                 raise
             task = asyncio.current_task()
             assert task is not None
             task.uncancel()  # the cancellation was ours and ends here
-            held = _checkpoint_step(args.checkpoint) if args.checkpoint else None
-            raise _Interrupted(caught[0], len(steps), (args.checkpoint, held) if held is not None else None) from None
+        held = _checkpoint_step(args.checkpoint) if args.checkpoint else None
+        raise _Interrupted(caught[0], len(steps), (args.checkpoint, held) if held is not None else None) from None
 
 
 def _checkpoint_step(text: str) -> int | None:
@@ -462,7 +488,7 @@ def _config_dict(config: SnakeConfig) -> dict[str, Any]:
 
 
 async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeConfig, steps: list[dict],
-                     resumed: dict | None) -> int:
+                     resumed: dict | None, signals: _Signals) -> int:
     """Train, appending each step's numbers to `steps`, and write the run's files."""
     from snake.corpus import holdout_windows, random_windows
     from snake.timeline import plot_timeline
@@ -485,7 +511,8 @@ async def _train_run(args: argparse.Namespace, subject: Subject, config: SnakeCo
     out = Path(args.out)
     async with SnakeTrainer(model, data=data, config=config) as trainer:
         try:
-            wall, trained = await _train_steps(trainer, args, config, held, val, steps, train_record(args, subject))
+            wall, trained = await _train_steps(trainer, args, config, held, val, steps, train_record(args, subject),
+                                               signals)
         except BaseException as exc:  # failed or interrupted: its trace tells what it was doing
             _save_trace_of_stopped_run(trainer.trace, out, steps, exc)
             raise
@@ -535,12 +562,14 @@ async def _save(trainer: SnakeTrainer, directory: str, record: dict[str, Any]) -
 
 async def _train_steps(
     trainer: SnakeTrainer, args: argparse.Namespace, config: SnakeConfig, held: list, val: dict[str, float],
-    steps: list[dict], record: dict[str, Any],
+    steps: list[dict], record: dict[str, Any], signals: _Signals,
 ) -> tuple[float, float]:
     """The trainer's work in `snake train`: resume, evaluate, train --steps steps (with the
     progress bar, a checkpoint every --save-every), evaluate. Returns the runs' wall seconds
     and the trace's clock at the end of training (before the evaluation after it). `record`:
-    what each checkpoint's TRAIN_RECORD says."""
+    what each checkpoint's TRAIN_RECORD says. A signal while a run trains (once it is set
+    up) stops it after the steps in flight: what they trained goes to --checkpoint, and
+    _StoppedBySignal is raised."""
     if args.resume:  # its step, weights, optimizer state, RNG and place in the data
         await trainer.load(args.resume)
     if held:
@@ -578,16 +607,23 @@ async def _train_steps(
         while done < args.steps:  # in pieces of --save-every steps, a checkpoint after each but the last
             n = min(args.save_every or args.steps, args.steps - done)
             t0 = time.perf_counter()
+            signals.graceful = lambda: trainer.engine is not None and trainer.stop()
             try:
-                await trainer.run(n, on_step=on_step)
+                report = await trainer.run(n, on_step=on_step)
             except DataError as e:
                 if e.report is not None and args.checkpoint:  # stopped cleanly: what it trained is kept
                     await _save(trainer, args.checkpoint, record)
                     print(f"\nsnake train: the data stopped the run after {done + len(e.report.steps)} steps; saved "
                           f"them to {args.checkpoint}", file=sys.stderr)
                 raise
+            finally:
+                signals.graceful = None  # a signal while it saves or evaluates cancels that
             wall += time.perf_counter() - t0
-            done += n
+            done += len(report.steps)
+            if report.stopped or signals.caught:
+                if args.checkpoint:  # what the steps in flight trained is kept
+                    await _save(trainer, args.checkpoint, record)
+                raise _StoppedBySignal()
             if done < args.steps:
                 await _save(trainer, args.checkpoint, record)
     finally:
@@ -603,7 +639,7 @@ def _save_trace_of_stopped_run(trace: Tracer, out: Path, steps: list[dict], exc:
     on stderr. A failure here is said in one line; the caller re-raises the run's error."""
     from snake.timeline import plot_timeline
 
-    how = "interrupted" if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt) else "failed"
+    how = "interrupted" if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | _StoppedBySignal) else "failed"
     spans = list(trace.spans)
     if not spans:
         return  # it stopped before anything was traced

@@ -252,6 +252,58 @@ def test_an_interrupted_run_writes_its_trace_and_exits(tmp_path, capsys, monkeyp
     assert any(s.name.startswith("fwd") for s in spans)
 
 
+def test_a_signal_stops_the_run_after_the_steps_in_flight_and_saves_them(tmp_path, capsys, monkeypatch):
+    """SIGTERM mid-run (a preempted machine): the run stops after the steps in flight
+    (trainer.stop()), and --checkpoint gets what they trained: the last line names it and
+    its step, the steps the run trained. Before, the run was cancelled and the trainer
+    closed: every step since the last --save-every checkpoint was lost (here all of them)."""
+    _data_then(monkeypatch, _sigterm)
+    ck = tmp_path / "ck"
+    assert _train(tmp_path, "--steps", "10000", "--checkpoint", str(ck)) == 143
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "snake train: SIGTERM: stopping after the steps in flight (again to stop at once)" in lines, lines
+    found = re.fullmatch(rf"snake train: interrupted \(SIGTERM\) after (\d+) steps; the checkpoint in "
+                         rf"{re.escape(str(ck))} holds step (\d+) \(--resume {re.escape(str(ck))} to go on\)", lines[-1])
+    assert found, lines
+    # the signal came as batch 10 was read, once compute had taken batch 8: step 9 begun or not
+    assert int(found[1]) == int(found[2]) in (9, 10)
+    assert json.loads((ck / "manifest.json").read_text())["step"] == int(found[1])
+
+
+@pytest.mark.asyncio
+async def test_a_second_signal_cancels_the_run(capsys):
+    """The first SIGINT/SIGTERM asks the run to stop after its steps in flight (where one is
+    training and says it will); a second cancels it at once; later ones are ignored, so the
+    cleanup is not cut short. Without a run to stop (setting up, evaluating, saving) the
+    first cancels."""
+    from snake.cli import _Signals
+
+    async def forever() -> None:
+        await asyncio.sleep(3600)
+
+    task = asyncio.ensure_future(forever())
+    signals = _Signals(task)
+    asked = []
+    signals.graceful = lambda: asked.append(True) or True
+    signals.on_signal(signal.SIGTERM)
+    await asyncio.sleep(0)
+    assert asked == [True] and not task.done()
+    assert "SIGTERM: stopping after the steps in flight (again to stop at once)" in capsys.readouterr().err
+    signals.on_signal(signal.SIGINT)
+    signals.on_signal(signal.SIGINT)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert asked == [True] and signals.caught == [signal.SIGTERM, signal.SIGINT, signal.SIGINT]
+    assert task.cancelling() == 1  # once
+
+    task = asyncio.ensure_future(forever())
+    signals = _Signals(task)
+    signals.graceful = lambda: False  # no run in progress to stop
+    signals.on_signal(signal.SIGINT)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_a_trace_that_cannot_be_saved_does_not_hide_why_the_run_stopped(tmp_path, capsys, monkeypatch):
     def full(self, path):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
