@@ -127,6 +127,7 @@ def build_actors(
     *,
     vocab: Vocab,
     on_step: Callable[[StepReport], None] | None = None,
+    check_rate: bool = False,
 ) -> tuple[list[Actor], list[Mailbox]]:
     e = engine
     depth = max(4, 2 * e.M)
@@ -143,7 +144,7 @@ def build_actors(
     actors: list[Actor] = [
         DataFeeder(
             e, source, compute=batches_in, clock=clock,
-            expect_shape=e.input_shape, vocab=vocab,
+            expect_shape=e.input_shape, vocab=vocab, check_rate=check_rate,
         ),
         Compute(
             e, inbox=compute_in, batches=batches_in, d2h=d2h_in, clock=clock, reports=reports, on_step=on_step
@@ -168,16 +169,20 @@ async def run_iterations(
     vocab: Vocab,
     on_step: Callable[[StepReport], None] | None = None,
     control: RunControl | None = None,
+    check_rate: bool = False,
 ) -> list[StepReport]:
     """The run's step reports: `steps` of them, or fewer where `control` stopped it early.
-    RunStopped where the data or `on_step` stopped it (the steps it trained are kept)."""
+    RunStopped where the data or `on_step` stopped it (the steps it trained are kept).
+    `check_rate`: check each step's learning rate as its batch comes (a run whose length is
+    not known before, so `check_rates` could not check them all first)."""
     iterations = range(engine.next_t, engine.next_t + steps)
     # pre/post train (their dropout on) as the layers' shells do, whatever mode the user's
     # model was put in since the last run (`Kernels.restore_modes` gives theirs back at close)
     engine.kernels.parts.model.train()
     reports: list[StepReport] = []
     clock = StageClock(start=iterations.start * engine.S - 1, iterations=iterations)
-    actors, mailboxes = build_actors(engine, source, clock, reports, vocab=vocab, on_step=on_step)
+    actors, mailboxes = build_actors(engine, source, clock, reports, vocab=vocab, on_step=on_step,
+                                     check_rate=check_rate)
     if control is not None:
         control.clock = clock
         if control.asked:

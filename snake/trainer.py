@@ -32,7 +32,7 @@ from snake.adapters import (
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
-from snake.data import DataSource, Vocab, check_async_draws, pair_of, split_batch
+from snake.data import _EPOCHS, DataSource, Vocab, check_async_draws, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, release_frames
@@ -154,20 +154,34 @@ class SnakeTrainer:
 
     # -- running ----------------------------------------------------------------------
     @_releasing
-    async def run(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> RunReport:
-        """Train `steps` iterations (continuing from the last run). `on_step` is called on the
-        event loop with each step's report as it finishes (keep it quick). The run ends
-        early and cleanly where `stop()` asks it to (the report says `stopped`), where the
-        data runs out, raises or gives a bad batch (a `DataError`), or where `on_step`
+    async def run(self, steps: int | None = None, *,
+                  on_step: Callable[[StepReport], None] | None = None) -> RunReport:
+        """Train `steps` iterations (continuing from the last run), or without `steps` as
+        many as the data has left (one pass over a DataLoader: the run ends where the data
+        runs out, and at least one step). `on_step` is called on the event loop with each
+        step's report as it finishes (keep it quick). The run ends early and cleanly where
+        `stop()` asks it to (the report says `stopped`), where the data runs out (but for a
+        run without `steps`), raises or gives a bad batch (a `DataError`), or where `on_step`
         raises (its exception, with a note): each time before a step not yet begun, the
         steps trained kept and the trainer usable."""
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ConfigError("steps", steps, "must be an integer >= 1")
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ConfigError("steps", steps, "must be an integer >= 1, or None: as many as the data has left")
         _check_on_step(on_step)
         self._check_usable()
         self._check_idle("run")
         first = self.engine.next_t if self.engine is not None else 0
-        check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
+        to_the_end = steps is None
+        if steps is None:
+            left = self.source.left()
+            if left == 0:
+                raise DataExhausted("data: it has no batch left for run() to train on; give the trainer more "
+                                    f"(an endless iterator{_EPOCHS}), or save() and load() into a trainer with more")
+            # an iterator that does not say how long it is: each step's rate is checked as
+            # its batch comes (`DataFeeder`), not all of them now
+            steps = left if left is not None else _UNTIL_THE_END
+        rate_each_step = steps == _UNTIL_THE_END
+        if not rate_each_step:
+            check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
             raise SnakeError(
                 "run: this trainer's first run() was in another event loop, which its queues belong to; "
@@ -186,10 +200,17 @@ class SnakeTrainer:
             # setting up (also by a load() or evaluate() in another loop) binds none
             self._loop = asyncio.get_running_loop()
             reports = await run_iterations(
-                self.engine, self.source, steps, vocab=self._vocab, on_step=on_step, control=control
+                self.engine, self.source, steps, vocab=self._vocab, on_step=on_step, control=control,
+                check_rate=rate_each_step,
             )
         except RunStopped as stop:  # ended cleanly before a step not yet begun: the trainer goes on
             traffic = self.engine.traffic.last() if stop.reports and self.engine is not None else {}
+            if to_the_end and isinstance(stop.cause, DataExhausted) and stop.reports:
+                return RunReport(stop.reports, traffic, stopped=False)  # the data's end is the run's
+            if isinstance(stop.cause, ConfigError):  # a step's rate (a run without `steps`)
+                stop.cause.add_note(f"snake: run() stopped cleanly after {len(stop.reports)} steps, before that one: "
+                                    f"the trainer holds what they trained and is usable")
+                raise stop.cause from None
             if stop.by == "data":
                 raise _data_stopped(stop, RunReport(stop.reports, traffic), first) from stop.cause
             stop.cause.add_note(
@@ -208,7 +229,7 @@ class SnakeTrainer:
             self._control = None
             self._end()
         traffic = self.engine.traffic.last() if reports else {}
-        return RunReport(reports, traffic, stopped=len(reports) < steps)
+        return RunReport(reports, traffic, stopped=control.asked and len(reports) < steps)
 
     def stop(self) -> bool:
         """Ask the `run()` in progress to end early and cleanly: before its first step not
@@ -689,6 +710,10 @@ class SnakeTrainer:
         if lock is not None:
             lock.release()
 
+
+
+# run() without steps, over data that does not say how long it is: until it runs out
+_UNTIL_THE_END = 2**62
 
 
 def _data_stopped(stop: RunStopped, report: RunReport, first: int) -> DataError:

@@ -284,3 +284,73 @@ async def test_an_on_step_that_raises_stops_the_run_cleanly(tmp_path):
         await asyncio.wait_for(t.run(6 - done), 60)
         got = await t.state_dict()
     assert_close_state(got, reference(_model({}, False), data, 2)[0])
+
+
+# -- run() without steps: as many as the data has left -------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("given", ["list", "generator", "loader"])
+async def test_run_without_steps_trains_until_the_data_ends(tmp_path, given):
+    """run() trains as many steps as the data has left: a list's or a DataLoader's length,
+    or a generator's until it runs out (which ends that run as a run's end, not an error),
+    to PyTorch's weights over every batch; the next run() has none left and says so."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = batches(5, 4)
+    if given == "list":
+        source = data
+    elif given == "generator":
+        source = (b for b in data)
+    else:  # rows of the same batches, in order
+        x = torch.cat([b[0] for b in data])
+        y = torch.cat([b[1] for b in data])
+        source = DataLoader(TensorDataset(x, y), batch_size=4)
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=MIXED))
+    async with SnakeTrainer(_model({}, False), data=source, config=cfg) as t:
+        report = await asyncio.wait_for(t.run(), 60)
+        assert len(report.steps) == 5 and not report.stopped
+        assert report.traffic == t.traffic() != {}
+        with pytest.raises(DataExhausted, match="no batch left|ran out after 5 global batches"):
+            await asyncio.wait_for(t.run(), 60)
+        got = await t.state_dict()
+    assert_close_state(got, reference(_model({}, False), data, 2)[0])
+
+
+@pytest.mark.asyncio
+async def test_run_without_steps_refuses_a_short_last_batch_up_front(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    (x, y), = batches(1, 10)
+    async with SnakeTrainer(_model({}, False), data=DataLoader(TensorDataset(x, y), batch_size=4),
+                            config=_cfg(tmp_path / "off", {})) as t:
+        with pytest.raises(DataError, match="drop_last=True"):
+            await t.run()
+        assert t.engine is None  # nothing trained, nothing built
+    with pytest.raises(Exception, match=r"steps.*None: as many as the data has left"):
+        async with SnakeTrainer(_model({}, False), data=[(x, y)], config=_cfg(tmp_path / "off2", {})) as t:
+            await t.run(0)
+
+
+@pytest.mark.asyncio
+async def test_run_without_steps_checks_each_rate_as_its_batch_comes(tmp_path):
+    """Over a generator, whose length is not known first, a schedule that raises at step
+    index 3 stops the run cleanly after three steps with its ConfigError; the trainer holds
+    them (PyTorch's weights over three batches with the same schedule) and is usable."""
+    from snake import ConfigError
+
+    def schedule(i):
+        if i == 3:
+            raise ValueError("past the end of my table")
+        return 1.0 - 0.1 * i
+
+    data = batches(5, 4)
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.0, placement=MIXED, optimizer=AdamW(lr_schedule=schedule)))
+    async with SnakeTrainer(_model({}, False), data=(b for b in data), config=cfg) as t:
+        with pytest.raises(ConfigError, match="at step index 3") as e:
+            await asyncio.wait_for(t.run(), 60)
+        assert any("stopped cleanly after 3 steps" in n for n in e.value.__notes__)
+        assert t.engine is not None and t.engine.next_t == 3
+        got = await t.state_dict()
+    # (the reference's LambdaLR asks for the rate after each step: index 3 too, as it is)
+    assert_close_state(got, reference(_model({}, False), data[:3], 2, lr_lambda=lambda i: 1.0 - 0.1 * i)[0])

@@ -29,7 +29,8 @@ from snake.actors.base import Actor
 from snake.channels import Mailbox, StageClock
 from snake.data import DataSource, Vocab, split_batch
 from snake.engine import Engine
-from snake.errors import DataError
+from snake.errors import ConfigError, DataError
+from snake.lr import check_rates
 from snake.messages import BatchReady
 
 
@@ -45,6 +46,7 @@ class DataFeeder(Actor):
         clock: StageClock,
         expect_shape: torch.Size,
         vocab: Vocab,
+        check_rate: bool = False,
     ) -> None:
         super().__init__(engine.tracer)
         self.e = engine
@@ -53,6 +55,7 @@ class DataFeeder(Actor):
         self.clock = clock
         self.expect_shape = expect_shape
         self.vocab = vocab
+        self.check_rate = check_rate  # each step's learning rate, before its iteration begins
 
     async def run(self) -> None:
         ex = self.e.executors["data"]
@@ -90,6 +93,13 @@ class DataFeeder(Actor):
                     await self.clock.stop_at(t, exc)
                     return
                 ready = BatchReady(t, ins, tgs, tokens, trained)
+            if self.check_rate:
+                try:
+                    check_rates(self.e.config.optimizer, range(t + 1, t + 2))
+                except ConfigError as exc:
+                    self.source.unread(ready)  # trained on by the next run, whose rate may be good
+                    await self.clock.stop_at(t, exc)
+                    return
             await self.clock.got(t)
             await self.compute.put(ready)  # never waits: `may_read` keeps it to two
 
