@@ -32,7 +32,7 @@ from snake.adapters import (
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
-from snake.data import _EPOCHS, DataSource, Vocab, check_async_draws, pair_of, split_batch
+from snake.data import DataSource, Vocab, check_async_draws, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, release_frames
@@ -154,7 +154,7 @@ class SnakeTrainer:
 
     # -- running ----------------------------------------------------------------------
     @_releasing
-    async def run(self, steps: int | None = None, *,
+    async def run(self, steps: int | None = None, *, data: Any = None,
                   on_step: Callable[[StepReport], None] | None = None) -> RunReport:
         """Train `steps` iterations (continuing from the last run), or without `steps` as
         many as the data has left (one pass over a DataLoader: the run ends where the data
@@ -163,31 +163,37 @@ class SnakeTrainer:
         `stop()` asks it to (the report says `stopped`), where the data runs out (but for a
         run without `steps`), raises or gives a bad batch (a `DataError`), or where `on_step`
         raises (its exception, with a note): each time before a step not yet begun, the
-        steps trained kept and the trainer usable."""
+        steps trained kept and the trainer usable. `data`: train on this data from this run
+        on, in place of the trainer's (the next epoch's DataLoader, another dataset): the
+        old iterator is dropped (a DataLoader's workers end, batches it had read and not
+        trained on with it), the new one's batches must have the shape of the first, and a
+        checkpoint counts the batches consumed of it (`load()` skips as many)."""
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise ConfigError("steps", steps, "must be an integer >= 1, or None: as many as the data has left")
         _check_on_step(on_step)
         self._check_usable()
         self._check_idle("run")
-        first = self.engine.next_t if self.engine is not None else 0
-        to_the_end = steps is None
-        if steps is None:
-            left = self.source.left()
-            if left == 0:
-                raise DataExhausted("data: it has no batch left for run() to train on; give the trainer more "
-                                    f"(an endless iterator{_EPOCHS}), or save() and load() into a trainer with more")
-            # an iterator that does not say how long it is: each step's rate is checked as
-            # its batch comes (`DataFeeder`), not all of them now
-            steps = left if left is not None else _UNTIL_THE_END
-        rate_each_step = steps == _UNTIL_THE_END
-        if not rate_each_step:
-            check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
             raise SnakeError(
                 "run: this trainer's first run() was in another event loop, which its queues belong to; "
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
             )
+        if data is not None:
+            await self._use_data(data)
+        first = self.engine.next_t if self.engine is not None else 0
+        to_the_end = steps is None
+        if steps is None:
+            left = self.source.left()
+            if left == 0:
+                raise DataExhausted("data: it has no batch left for run() to train on; give it more: "
+                                    "run(data=...) (the next epoch's DataLoader, say)")
+            # an iterator that does not say how long it is: each step's rate is checked as
+            # its batch comes (`DataFeeder`), not all of them now
+            steps = left if left is not None else _UNTIL_THE_END
+        rate_each_step = steps == _UNTIL_THE_END
+        if not rate_each_step:
+            check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
         self.source.check_enough(steps)  # else the run would stop short, where the data ends
         self._begin()
         control = self._control = RunControl()
@@ -256,6 +262,44 @@ class SnakeTrainer:
         except RuntimeError:  # its loop is closed: no run is in progress there
             return False
         return True
+
+    async def _use_data(self, data: Any) -> None:
+        """`run(data=...)`: `data` becomes the trainer's, once its first batch is read and
+        has the trainer's batch shape (else the error, the old data kept); the old source is
+        closed. A next() of the old data still running on the data thread (a run cancelled
+        or stopped while it waited) is left to end there: the new data gets a thread of its
+        own."""
+        self._check_idle("run")
+        self._begin()
+        try:
+            new = DataSource(data)
+            if self.engine is None or self._data_ex is None:  # the first run sets up on it
+                old, self.source = self.source, new
+                await old.close(_NEXT_GRACE_S)
+                return
+            if not await self.source.settle(_NEXT_GRACE_S):
+                self._data_ex.shutdown(wait=False, cancel_futures=True)
+                self._data_ex = ThreadPoolExecutor(
+                    1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
+                )
+                self.engine.executors["data"] = self._data_ex
+            try:
+                shape = pair_of(await new.peek(self._data_ex))[0].shape
+                if shape != self.engine.input_shape:
+                    raise DataError(
+                        f"data: the new data's first batch has inputs of shape {tuple(shape)} but this trainer's "
+                        f"have {tuple(self.engine.input_shape)} (its buffers are sized from its first batch); "
+                        f"give batches of that shape, or a new SnakeTrainer for these"
+                    )
+            except BaseException:
+                await new.close(_NEXT_GRACE_S)
+                raise
+            new.rng_lock = self.engine.kernels.rng_lock
+            check_async_draws(new, self.device)
+            old, self.source = self.source, new
+            await old.close(_NEXT_GRACE_S)
+        finally:
+            self._end()
 
     def traffic(self) -> dict[tuple[str, str, str], int]:
         """Bytes moved in the last finished iteration, by (src tier, dst tier, kind)."""
@@ -727,9 +771,8 @@ def _data_stopped(stop: RunStopped, report: RunReport, first: int) -> DataError:
     said = str(cause) if isinstance(cause, DataError) else (
         f"data: its next() raised {type(cause).__name__}: {line} (global batch {first + done} of this trainer's)")
     ran_out = isinstance(cause, DataExhausted)
-    then = ("save() it and load() that checkpoint into a trainer with more data, as load(..., skip_data=False) "
-            "if that data starts with batches this one has not trained on" if ran_out else
-            "fix the data and run() on, or save() it")
+    then = ("run(data=...) with more data goes on, or save() it" if ran_out else
+            "fix the data and run() on, run(data=...) with other data, or save() it")
     kind = DataExhausted if ran_out else DataError
     err = kind(
         f"{said}. run({stop.steps}) stopped cleanly after {done} of its steps, before iteration {first + done}: "

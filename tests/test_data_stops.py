@@ -8,6 +8,7 @@ failed the run (ActorFailed) and closed the trainer, every step of it lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -354,3 +355,113 @@ async def test_run_without_steps_checks_each_rate_as_its_batch_comes(tmp_path):
         got = await t.state_dict()
     # (the reference's LambdaLR asks for the rate after each step: index 3 too, as it is)
     assert_close_state(got, reference(_model({}, False), data[:3], 2, lr_lambda=lambda i: 1.0 - 0.1 * i)[0])
+
+
+# -- run(data=...): other data from this run on --------------------------------------------
+
+
+def _loader(data, **kw):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return DataLoader(TensorDataset(torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])), batch_size=4,
+                      **kw)
+
+
+@pytest.mark.asyncio
+async def test_run_with_data_trains_epochs_and_goes_on_after_data_runs_out(tmp_path):
+    """Two epochs of a 3-batch DataLoader, `run(data=loader)` each, then a generator that
+    runs out part-way and `run(data=more)` after it: PyTorch's weights over every batch in
+    that order, the checkpoint counting the batches of the data in use."""
+    import json
+
+    data = batches(3 + 2 + 2, 4)
+    epoch, short, more = data[:3], data[3:5], data[5:]
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=MIXED))
+    async with SnakeTrainer(_model({}, False), data=[], config=cfg) as t:
+        for _ in range(2):
+            report = await asyncio.wait_for(t.run(data=_loader(epoch)), 60)
+            assert len(report.steps) == 3
+        with pytest.raises(DataExhausted, match=r"run\(data=\.\.\.\) with more data goes on"):
+            await asyncio.wait_for(t.run(4, data=iter(short)), 60)
+        await asyncio.wait_for(t.run(1, data=iter(more)), 60)
+        await t.save(tmp_path / "ckpt")
+        got = await t.state_dict()
+    assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["consumed_batches"] == 1
+    assert_close_state(got, reference(_model({}, False), epoch + epoch + short + more[:1], 2)[0])
+
+
+@pytest.mark.asyncio
+async def test_run_with_data_of_another_shape_keeps_the_old_data(tmp_path):
+    """New data whose first batch has another shape is refused before anything changes: the
+    trainer trains on with its own data, to PyTorch's weights."""
+    data = batches(3, 4)
+    cfg = _cfg(tmp_path / "off", {})
+    async with SnakeTrainer(_model({}, False), data=iter(data), config=cfg) as t:
+        await asyncio.wait_for(t.run(1), 60)
+        with pytest.raises(DataError, match=r"new data's first batch has inputs of shape \(8, 16\) but this "
+                                            r"trainer's have \(4, 16\)"):
+            await t.run(1, data=iter(batches(2, 8)))
+        with pytest.raises(DataError, match="expected an iterable"):
+            await t.run(1, data=42)
+        await asyncio.wait_for(t.run(2), 60)
+        got = await t.state_dict()
+    assert_close_state(got, reference(_model({}, False), data, 2)[0])
+
+
+@pytest.mark.asyncio
+async def test_run_with_data_after_a_stop_drops_the_old_and_its_workers(tmp_path):
+    """A run stopped while its DataLoader (two worker processes) blocks in next() (its
+    dataset is slow), then run(data=other): the old loader's workers end, the batches it had
+    read but not trained on go with it, and the new data trains on a thread of its own,
+    to PyTorch's weights over the batches trained."""
+    import psutil
+
+    class Slow(torch.utils.data.Dataset):
+        def __init__(self, rows, delay_s):
+            self.rows, self.delay_s = rows, delay_s
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            if i >= 8:
+                time.sleep(self.delay_s)
+            return self.rows[i]
+
+    data = batches(6, 4)
+    rows = [(x[i], y[i]) for x, y in data[:4] for i in range(4)]
+    before = {p.pid for p in psutil.Process().children()}
+    loader = torch.utils.data.DataLoader(Slow(rows, 0.5), batch_size=4, num_workers=2)
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=MIXED))
+    async with SnakeTrainer(_model({}, False), data=loader, config=cfg) as t:
+        workers = {p.pid for p in psutil.Process().children()} - before
+        assert len(workers) == 2
+
+        def on_step(s):
+            if s.step == 1:
+                t.stop()
+
+        report = await asyncio.wait_for(t.run(4, on_step=on_step), 60)
+        done = len(report.steps)
+        assert report.stopped and done == 2
+        assert t.source.fetching()  # the old loader's next() runs on (its batch takes ~2 s)
+        old_thread = t._data_ex
+        await asyncio.wait_for(t.run(2, data=iter(data[4:])), 60)
+        assert t._data_ex is not old_thread  # the new data got a thread of its own
+        got = await t.state_dict()
+
+        def alive() -> set[int]:
+            out = set()
+            for child in psutil.Process().children():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if child.status() != psutil.STATUS_ZOMBIE:
+                        out.add(child.pid)
+            return out
+
+        # they end once the old loader's next() in progress returns (its thread holds the
+        # iterator until then: a batch of 4 slow rows, about 2 s)
+        deadline = time.monotonic() + 30
+        while workers & alive() and time.monotonic() < deadline:  # noqa: ASYNC110 - processes signal nothing here
+            await asyncio.sleep(0.1)
+        assert not workers & alive()
+    assert_close_state(got, reference(_model({}, False), data[:2] + data[4:], 2)[0])
