@@ -250,14 +250,7 @@ class SnakeTrainer:
         control, loop = self._control, self._control_loop
         if control is None or loop is None:
             return False
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
-        if here is loop:
-            control.stop()
-            return True
-        try:
+        try:  # scheduled, also from the loop's own thread: a signal handler may run inside the loop's code
             loop.call_soon_threadsafe(control.stop)
         except RuntimeError:  # its loop is closed: no run is in progress there
             return False

@@ -170,7 +170,7 @@ class Compute(Actor):
             self.at(t)
             waited = time.perf_counter()
             if not await self.clock.runs(t):
-                break  # the data stopped the run: iteration t has no batch
+                break  # the run stopped before iteration t (the data, or a stop asked for)
             batch: BatchReady = await self.batches.take(("batch", t))
             await self.clock.took(t)
             waited = time.perf_counter() - waited

@@ -80,7 +80,7 @@ class HostToDevice(Actor):
         for op in self.e.plans.h2d_plan(self.clock.iterations()):
             self.at(op.t, op.load.layer, op.load.micro_batch if op.load.micro_batch >= 0 else None)
             if not await self.clock.reach(op.start, op.t):
-                continue  # the data stopped the run before this iteration
+                continue  # the run stopped before this iteration (the data, or a stop asked for)
             if op.load.kind == "param":
                 await self._params(op)
             else:

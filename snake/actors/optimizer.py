@@ -62,7 +62,7 @@ class OptimizerWorker(Actor):
         for op in self.e.plans.worker_plan(self.clock.iterations(), self.layers, self.e.first_delayed):
             self.at(op.t, op.layer)
             if not await self.clock.runs(op.t):
-                continue  # the data stopped the run before this iteration
+                continue  # the run stopped before this iteration (the data, or a stop asked for)
             await self.step(op)
         await self.ssd_write.put(Stop(self.name))
 

@@ -49,7 +49,7 @@ class SsdRead(Actor):
         for op in plan:
             self.at(op.t, op.unit[0], op.unit[1] if op.kind == "ckpt" else None)
             if not await self.clock.reach(op.start, op.t):  # type: ignore[arg-type]
-                continue  # the data stopped the run before this iteration
+                continue  # the run stopped before this iteration (the data, or a stop asked for)
             store = e.stores[op.kind]
             u = store.unit(op.unit)
             await e.ledger.wait_for((op.kind, *op.unit), op.need_version)
