@@ -253,6 +253,10 @@ class DataSource:
         # loop next runs its callbacks
         return self._pending is not None and self._call is not None and not self._call.done()
 
+    def thread_call(self) -> Future[Any] | None:
+        """The next() running on the data thread (`fetching`), else None."""
+        return self._call if self.fetching() else None
+
     async def settle(self, grace: float) -> bool:
         """Wait up to `grace` seconds for a next() a cancellation left running; True if none
         runs now. A quick iterator (a list) has returned by then and its thread can be
@@ -277,6 +281,14 @@ class DataSource:
         self.consumed -= 1
         self._peeked.append(item)
         return item
+
+
+def next_raised(exc: BaseException, where: str) -> DataError:
+    """The DataError for an exception the data's next() raised (`where`: which batch): its
+    first line (a DataLoader worker's has the worker's traceback after it; the whole of it
+    is the `__cause__` the caller chains)."""
+    line = next(iter(str(exc).splitlines()), "")
+    return DataError(f"data: its next() raised {type(exc).__name__}: {line} ({where})")
 
 
 _EPOCHS = ": several epochs of a DataLoader or a list are `(b for _ in range(epochs) for b in loader)`"

@@ -32,7 +32,7 @@ from snake.adapters import (
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
-from snake.data import DataSource, Vocab, check_async_draws, pair_of, split_batch
+from snake.data import DataSource, Vocab, check_async_draws, next_raised, pair_of, split_batch
 from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, release_frames
@@ -179,25 +179,26 @@ class SnakeTrainer:
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
             )
-        if data is not None:
-            await self._use_data(data)
         first = self.engine.next_t if self.engine is not None else 0
         to_the_end = steps is None
-        if steps is None:
-            left = self.source.left()
-            if left == 0:
-                raise DataExhausted("data: it has no batch left for run() to train on; give it more: "
-                                    "run(data=...) (the next epoch's DataLoader, say)")
-            # an iterator that does not say how long it is: each step's rate is checked as
-            # its batch comes (`DataFeeder`), not all of them now
-            steps = left if left is not None else _UNTIL_THE_END
-        rate_each_step = steps == _UNTIL_THE_END
-        if not rate_each_step:
-            check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
-        self.source.check_enough(steps)  # else the run would stop short, where the data ends
         self._begin()
-        control = self._control = RunControl()
+        control = self._control = RunControl()  # stop() asks this run from here on
         self._control_loop = asyncio.get_running_loop()
+        try:  # nothing changes before the run starts: new data is the trainer's once all is checked
+            new = await self._open_data(data) if data is not None else None
+            try:
+                steps, rate_each_step = self._run_length(steps, new or self.source, first)
+            except BaseException:
+                if new is not None:
+                    await self._drop_data(new)
+                raise
+            if new is not None:
+                old, self.source = self.source, new
+                await old.close(_NEXT_GRACE_S)
+        except BaseException:
+            self._control = None
+            self._end()
+            raise
         try:
             if self.engine is None:
                 await self._setup()
@@ -256,43 +257,78 @@ class SnakeTrainer:
             return False
         return True
 
-    async def _use_data(self, data: Any) -> None:
-        """`run(data=...)`: `data` becomes the trainer's, once its first batch is read and
-        has the trainer's batch shape (else the error, the old data kept); the old source is
-        closed. A next() of the old data still running on the data thread (a run cancelled
-        or stopped while it waited) is left to end there: the new data gets a thread of its
-        own."""
-        self._check_idle("run")
-        self._begin()
+    def _run_length(self, steps: int | None, source: DataSource, first: int) -> tuple[int, bool]:
+        """run()'s number of steps over `source` (`steps`, or as many as it has left) and
+        whether each step's learning rate is checked as its batch comes (a source that does
+        not say its length); the rates checked now, and a source shorter than `steps`
+        refused (ConfigError, DataError, DataExhausted)."""
+        if steps is None:
+            left = source.left()
+            if left == 0:
+                raise DataExhausted("data: it has no batch left for run() to train on; give it more: "
+                                    "run(data=...) (the next epoch's DataLoader, say)")
+            # an iterator that does not say how long it is: each step's rate is checked as
+            # its batch comes (`DataFeeder`), not all of them now
+            steps = left if left is not None else _UNTIL_THE_END
+        rate_each_step = steps == _UNTIL_THE_END
+        if not rate_each_step:
+            check_rates(self.config.optimizer, range(first + 1, first + steps + 1))
+        source.check_enough(steps)  # else the run would stop short, where the data ends
+        return steps, rate_each_step
+
+    async def _open_data(self, data: Any) -> DataSource:
+        """`run(data=...)`'s data, not yet the trainer's: its first batch read and of the
+        trainer's batch shape (else the error, the trainer's data as it was). A next() of
+        the trainer's data still running on the data thread (a run cancelled or stopped
+        while it waited) is left to end there: the new data gets a thread of its own."""
+        new = DataSource(data)
+        if self.engine is None or self._data_ex is None:  # the first run sets up on it
+            return new
+        if not await self.source.settle(_NEXT_GRACE_S):
+            self._new_data_thread()
         try:
-            new = DataSource(data)
-            if self.engine is None or self._data_ex is None:  # the first run sets up on it
-                old, self.source = self.source, new
-                await old.close(_NEXT_GRACE_S)
-                return
-            if not await self.source.settle(_NEXT_GRACE_S):
-                self._data_ex.shutdown(wait=False, cancel_futures=True)
-                self._data_ex = ThreadPoolExecutor(
-                    1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
-                )
-                self.engine.executors["data"] = self._data_ex
             try:
-                shape = pair_of(await new.peek(self._data_ex))[0].shape
-                if shape != self.engine.input_shape:
-                    raise DataError(
-                        f"data: the new data's first batch has inputs of shape {tuple(shape)} but this trainer's "
-                        f"have {tuple(self.engine.input_shape)} (its buffers are sized from its first batch); "
-                        f"give batches of that shape, or a new SnakeTrainer for these"
-                    )
-            except BaseException:
-                await new.close(_NEXT_GRACE_S)
+                first = await new.peek(self._data_ex)
+            except DataError:
                 raise
-            new.rng_lock = self.engine.kernels.rng_lock
-            check_async_draws(new, self.device)
-            old, self.source = self.source, new
-            await old.close(_NEXT_GRACE_S)
-        finally:
-            self._end()
+            except Exception as exc:
+                raise next_raised(exc, "the new data's first batch; the trainer keeps its data") from exc
+            shape = pair_of(first)[0].shape
+            if shape != self.engine.input_shape:
+                raise DataError(
+                    f"data: the new data's first batch has inputs of shape {tuple(shape)} but this trainer's "
+                    f"have {tuple(self.engine.input_shape)} (its buffers are sized from its first batch); "
+                    f"give batches of that shape, or a new SnakeTrainer for these"
+                )
+        except BaseException:
+            await self._drop_data(new)
+            raise
+        new.rng_lock = self.engine.kernels.rng_lock
+        check_async_draws(new, self.device)
+        return new
+
+    async def _drop_data(self, source: DataSource) -> None:
+        """Close data that is not the trainer's (refused, or its first read cancelled): a
+        next() of it still running keeps the data thread, so the trainer's data and
+        evaluate() get another."""
+        call = source.thread_call()
+        await source.close(_NEXT_GRACE_S)
+        if call is not None:
+            await asyncio.wait([asyncio.wrap_future(call)], timeout=_NEXT_GRACE_S)
+            if not call.done():
+                self._new_data_thread()
+
+    def _new_data_thread(self) -> None:
+        """A data thread of its own for what comes next, where a next() holds the one there
+        is (its data's: it ends there on its own, and that thread with it). Nothing waits for
+        it: close() joined it, and evaluate() and other data queued behind it."""
+        old = self._data_ex
+        if old is None:
+            return
+        old.shutdown(wait=False, cancel_futures=True)
+        self._data_ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device))
+        if self.engine is not None:
+            self.engine.executors["data"] = self._data_ex
 
     def traffic(self) -> dict[tuple[str, str, str], int]:
         """Bytes moved in the last finished iteration, by (src tier, dst tier, kind)."""
@@ -422,6 +458,10 @@ class SnakeTrainer:
         Changes nothing: a run after it goes on as without it. See snake.evaluate."""
         from snake.evaluate import evaluate_model
 
+        if not self._running and self.source.fetching():
+            # a run stopped or cancelled while its data's next() blocked: that keeps the
+            # data thread, where evaluate() cuts its batches
+            self._new_data_thread()
         return await evaluate_model(self, data, max_batches, batches_per_pass)
 
     @_releasing
@@ -573,7 +613,12 @@ class SnakeTrainer:
         self._data_ex = ThreadPoolExecutor(
             1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
         )
-        first = await self.source.peek(self._data_ex)
+        try:
+            first = await self.source.peek(self._data_ex)
+        except DataError:
+            raise
+        except Exception as exc:  # nothing is built: the run can be tried again
+            raise next_raised(exc, "its first batch") from exc
         planned = (cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None
                    or cfg.resident_optimizer is None)
         if planned:
@@ -758,11 +803,8 @@ def _data_stopped(stop: RunStopped, report: RunReport, first: int) -> DataError:
     own words (or what its next() raised), then what the run did and what the trainer holds.
     A DataExhausted where the data ran out, else a DataError."""
     cause, done = stop.cause, len(stop.reports)
-    # a user's error's first line (a DataLoader worker's has its traceback after it): the
-    # whole of it is the `__cause__`
-    line = next(iter(str(cause).splitlines()), "")
-    said = str(cause) if isinstance(cause, DataError) else (
-        f"data: its next() raised {type(cause).__name__}: {line} (global batch {first + done} of this trainer's)")
+    said = str(cause) if isinstance(cause, DataError) else str(
+        next_raised(cause, f"global batch {first + done} of this trainer's"))
     ran_out = isinstance(cause, DataExhausted)
     then = ("run(data=...) with more data goes on, or save() it" if ran_out else
             "fix the data and run() on, run(data=...) with other data, or save() it")
