@@ -30,7 +30,7 @@ import torch
 
 from snake.blocking import retrieved, run_blocking, settle
 from snake.buffers import HostBuffer
-from snake.data import Vocab, check_container, split_batch
+from snake.data import Vocab, check_container, next_raised, split_batch
 from snake.device import Copier, helper_thread_init, synchronize
 from snake.errors import ConfigError, DataError
 from snake.io.base import align_up
@@ -101,15 +101,25 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
     fetch: asyncio.Future[Any] | None = None
     first: list[Any] = []  # the first batch, taken before the engine is set up
 
+    taken = [0]  # batches the data gave
+
     async def next_batch() -> Any:
         nonlocal fetch
         if first:
             return first.pop()
-        if data_ex is None:
-            return await anext(ait, _END)
-        fetch = asyncio.get_running_loop().run_in_executor(data_ex, _next, it)
-        fetch.add_done_callback(retrieved)  # its error, where no one awaits it any more
-        return await asyncio.shield(fetch)
+        try:
+            if data_ex is None:
+                item = await anext(ait, _END)
+            else:
+                fetch = asyncio.get_running_loop().run_in_executor(data_ex, _next, it)
+                fetch.add_done_callback(retrieved)  # its error, where no one awaits it any more
+                item = await asyncio.shield(fetch)
+        except DataError:
+            raise
+        except Exception as exc:  # the user's iterator: a DataError, as in run()
+            raise next_raised(exc, f"evaluate's batch {taken[0]}") from exc
+        taken[0] += 1
+        return item
 
     try:
         # the first batch checked before anything is set up (the engine, its files and

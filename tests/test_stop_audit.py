@@ -651,3 +651,31 @@ async def test_close_after_a_cancelled_run_with_data_does_not_block(tmp_path):
         release.set()
         await t.close()
     assert took < 2, f"close() took {took:.1f} s, joining the cancelled new data's next()"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_evaluate_data_whose_next_raises_is_a_data_error(tmp_path, is_async):
+    """evaluate()'s data raising in its next() (after one batch) is a DataError naming the
+    batch, with the user's error as its `__cause__`, as run()'s data is; the trainer
+    trains on. Before, the user's exception came out as it was."""
+    held = batches(1, 4, seed=13)
+
+    def bad():
+        yield held[0]
+        raise ConnectionError("shard server down\n(its traceback)")
+
+    async def bad_async():
+        for item in bad():
+            yield item
+
+    data = batches(3, 4)
+    async with SnakeTrainer(_model(), data=iter(data), config=_cfg(tmp_path / "off")) as t:
+        await asyncio.wait_for(t.run(1), 60)
+        with pytest.raises(DataError, match=r"^data: its next\(\) raised ConnectionError: shard server down "
+                                            r"\(evaluate's batch 1\)$") as e:
+            await asyncio.wait_for(t.evaluate(bad_async() if is_async else bad()), 60)
+        assert isinstance(e.value.__cause__, ConnectionError)
+        await asyncio.wait_for(t.run(2), 60)
+        got = await t.state_dict()
+    assert_close_state(got, reference(_model(), data, 2)[0])
