@@ -3,6 +3,7 @@ second trainer on the same directory gets a clear error instead of corrupting th
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -99,25 +100,39 @@ def check_offload_dir(path: str | Path) -> Path:
 
 
 class DirLock:
-    """An exclusive flock on `<dir>/.snake.lock`, held for the trainer's life."""
+    """An exclusive flock on `<dir>/.snake.lock`, held for the trainer's life. The file is
+    removed as the lock is released (it was left behind in every offload_dir): a locker
+    that opened it just before keeps a lock on a removed file, which it sees (the path no
+    longer names the file it locked) and tries again."""
 
     def __init__(self, directory: Path) -> None:
         self._fd = -1
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # a directory already there keeps its mode
         self.path = directory / ".snake.lock"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            self._fd = -1
-            raise ConfigError(
-                "offload_dir", str(directory), "is in use by another snake trainer",
-                "give each trainer its own offload_dir, or close the other one first",
-            ) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ConfigError(
+                    "offload_dir", str(directory), "is in use by another snake trainer",
+                    "give each trainer its own offload_dir, or close the other one first",
+                ) from None
+            try:
+                now, held = os.stat(self.path), os.fstat(fd)
+                same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+            except FileNotFoundError:  # removed by the trainer that held it, as this one opened it
+                same = False
+            if same:
+                self._fd = fd
+                return
+            os.close(fd)
 
     def release(self) -> None:
         if self._fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # while held: a locker that opened it meanwhile tries again
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
