@@ -154,6 +154,12 @@ class StageClock:
         """Whether iteration t trains, once that is known (its batch, or the end)."""
         return await self._settle(lambda: self._decide(t) is not None, t)
 
+    async def begun(self, t: int) -> bool:
+        """Wait until iteration t has begun (another actor started work of it) or the run
+        ended before it, without beginning it: an actor with nothing to do in t (`Idle`).
+        Whether it trains."""
+        return await self._settle(lambda: t < self._have or t >= self.end, t)
+
     async def got(self, t: int) -> None:
         """Iteration t's batch is in hand: the iteration may begin."""
         async with self._cond:

@@ -27,7 +27,6 @@ iteration it feeds, not the one before.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -91,30 +90,15 @@ class ReadOp:
     sort: tuple
 
 
-def merge_in_order(lists: Iterator[list[ReadOp]]) -> Iterator[ReadOp]:
-    """What `heapq.merge(*lists, key=op.sort)` gives (equal keys in list order) for one
-    sorted list per iteration, taking each list only when its first op could come next: an
-    iteration's reads sort no earlier than those of the one before, but for the few at its
-    boundary, so the plan holds about two iterations at a time. heapq.merge took every list
-    at once: a run(10**6) built 6.7 GB of them before its first step."""
-    heap: list[tuple[tuple, int, int, list[ReadOp]]] = []  # (sort, list number, index, list)
-    upcoming = next(lists, None)
-    n = 0
-    last: tuple | None = None
-    while True:
-        while upcoming is not None and (not upcoming or not heap or upcoming[0].sort <= heap[0][0]):
-            if upcoming:
-                if last is not None and upcoming[0].sort < last:
-                    raise AssertionError(f"read plan: iteration {upcoming[0].t}'s reads sort before one already taken")
-                heapq.heappush(heap, (upcoming[0].sort, n, 0, upcoming))
-                n += 1
-            upcoming = next(lists, None)
-        if not heap:
-            return
-        last, k, i, ops = heapq.heappop(heap)
-        yield ops[i]
-        if i + 1 < len(ops):
-            heapq.heappush(heap, (ops[i + 1].sort, k, i + 1, ops))
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Iteration t has no operation for this actor: it waits for the iteration to begin
+    (`StageClock.begun`) before its plan goes on to the next. A plan of no operations at all
+    (every read's unit in CPU memory, an optimizer worker with no trained layer) would
+    otherwise run through every iteration at once, on the event loop: those of a run()
+    without steps over data that does not say its length are 2**62."""
+
+    t: int
 
 
 class Plans:
@@ -160,13 +144,18 @@ class Plans:
             ops += [StepOp(t, layer, "delayed", self.key_delayed(t, layer)) for layer in layers]
         return sorted(ops, key=lambda o: (o.key, o.part, o.layer))
 
-    def worker_plan(self, iterations: Iterable[int], layers: list[int], first_delayed: int) -> Iterator[StepOp]:
+    def worker_plan(self, iterations: Iterable[int], layers: list[int], first_delayed: int) -> Iterator[StepOp | Idle]:
         for t in iterations:
-            yield from self.steps(t, layers, first_delayed)
+            steps = self.steps(t, layers, first_delayed)
+            if not steps:
+                yield Idle(t)
+            yield from steps
 
     # h2d ------------------------------------------------------------------------------
-    def h2d_plan(self, iterations: Iterable[int]) -> Iterator[H2DOp]:
+    def h2d_plan(self, iterations: Iterable[int]) -> Iterator[H2DOp | Idle]:
         for t in iterations:
+            if not self.loads:
+                yield Idle(t)
             for ld in self.loads:
                 yield H2DOp(t, t * self.S + ld.need, ld)
 
@@ -176,8 +165,14 @@ class Plans:
         iterations: Iterable[int],
         has_tail: Callable[[str, tuple[int, ...]], bool],
         first_delayed: int,
-    ) -> Iterator[ReadOp]:
-        return merge_in_order(self._reads(t, has_tail, first_delayed) for t in iterations)
+    ) -> Iterator[ReadOp | Idle]:
+        """Each iteration's reads in their sort order, the iterations one after the other
+        (no read of t sorts before one of t - 1: `tests/test_schedule.py`)."""
+        for t in iterations:
+            reads = self._reads(t, has_tail, first_delayed)
+            if not reads:
+                yield Idle(t)
+            yield from reads
 
     def _reads(self, t: int, has_tail: Callable[[str, tuple[int, ...]], bool], first_delayed: int) -> list[ReadOp]:
         ops: list[ReadOp] = []

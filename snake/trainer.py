@@ -218,10 +218,11 @@ class SnakeTrainer:
                 stop.cause.add_note(f"snake: run() stopped cleanly after {len(stop.reports)} steps, before that one: "
                                     f"the trainer holds what they trained and is usable")
                 raise stop.cause from None
+            called = "run()" if to_the_end else f"run({steps})"  # as the user called it
             if stop.by == "data":
-                raise _data_stopped(stop, RunReport(stop.reports, traffic), first) from stop.cause
+                raise _data_stopped(stop, RunReport(stop.reports, traffic), first, called) from stop.cause
             stop.cause.add_note(
-                f"snake: on_step raised this; run({steps}) stopped cleanly after {len(stop.reports)} of its steps "
+                f"snake: on_step raised this; {called} stopped cleanly after {len(stop.reports)} of its steps "
                 f"(their reports came to on_step): the trainer holds what they trained and is usable")
             raise stop.cause from None
         except BaseException as exc:
@@ -798,7 +799,7 @@ class SnakeTrainer:
 _UNTIL_THE_END = 2**62
 
 
-def _data_stopped(stop: RunStopped, report: RunReport, first: int) -> DataError:
+def _data_stopped(stop: RunStopped, report: RunReport, first: int, called: str) -> DataError:
     """The error run() raises where the data stopped it part-way (`RunStopped`): the data's
     own words (or what its next() raised), then what the run did and what the trainer holds.
     A DataExhausted where the data ran out, else a DataError."""
@@ -810,7 +811,7 @@ def _data_stopped(stop: RunStopped, report: RunReport, first: int) -> DataError:
             "fix the data and run() on, run(data=...) with other data, or save() it")
     kind = DataExhausted if ran_out else DataError
     err = kind(
-        f"{said}. run({stop.steps}) stopped cleanly after {done} of its steps, before iteration {first + done}: "
+        f"{said}. {called} stopped cleanly after {done} of its steps, before iteration {first + done}: "
         f"the trainer holds what they trained and is usable ({then}); this error's `report` has the steps' reports"
     )
     err.report = report

@@ -465,3 +465,37 @@ async def test_run_with_data_after_a_stop_drops_the_old_and_its_workers(tmp_path
             await asyncio.sleep(0.1)
         assert not workers & alive()
     assert_close_state(got, reference(_model({}, False), data[:2] + data[4:], 2)[0])
+
+
+@pytest.mark.asyncio
+async def test_errors_of_a_run_without_steps_name_it_as_called(tmp_path):
+    """A run() without steps that the data or on_step stops names itself "run()", not by the
+    count it stood for (2**62 for an iterator of unknown length)."""
+    data = batches(3, 4)
+    bad = (torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long))
+    async with SnakeTrainer(_model({}, False), data=iter([data[0], bad]), config=_cfg(tmp_path / "a", {})) as t:
+        with pytest.raises(DataError, match=r"\. run\(\) stopped cleanly after 1 of its steps"):
+            await asyncio.wait_for(t.run(), 60)
+
+    def on_step(s):
+        raise RuntimeError("dashboard down")
+
+    async with SnakeTrainer(_model({}, False), data=iter(data), config=_cfg(tmp_path / "b", {})) as t:
+        with pytest.raises(RuntimeError) as e:
+            await asyncio.wait_for(t.run(on_step=on_step), 60)
+        assert any(n.startswith("snake: on_step raised this; run() stopped cleanly") for n in e.value.__notes__)
+
+
+@pytest.mark.asyncio
+async def test_a_run_without_steps_where_an_actor_has_nothing_to_do(tmp_path):
+    """run() over a generator (its length unknown: up to 2**62 iterations) with nothing on
+    SSD (the storage reader has no read in any iteration) and an optimizer worker with no
+    layer (one layer, two workers): each such actor waits for every iteration to begin.
+    Before, their plans ran through every iteration at once on the event loop: a hang."""
+    data = batches(3, 4)
+    cfg = _cfg(tmp_path / "off", dict(alpha=0.3, placement=Placement.all_cpu(), optimizer_workers=2))
+    async with SnakeTrainer(_model(dict(n_layer=1), False), data=(b for b in data), config=cfg) as t:
+        report = await asyncio.wait_for(t.run(), 60)
+        assert len(report.steps) == 3
+        got = await t.state_dict()
+    assert_close_state(got, reference(_model(dict(n_layer=1), False), data, 2)[0])

@@ -36,7 +36,7 @@ from snake.messages import (
     TailOnHost,
     WriteTail,
 )
-from snake.plans import H2DOp
+from snake.plans import H2DOp, Idle
 
 
 def alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -78,6 +78,10 @@ class HostToDevice(Actor):
 
     async def run(self) -> None:
         for op in self.e.plans.h2d_plan(self.clock.iterations()):
+            if isinstance(op, Idle):
+                self.at(op.t)
+                await self.clock.begun(op.t)
+                continue
             self.at(op.t, op.load.layer, op.load.micro_batch if op.load.micro_batch >= 0 else None)
             if not await self.clock.reach(op.start, op.t):
                 continue  # the run stopped before this iteration (the data, or a stop asked for)

@@ -35,7 +35,7 @@ from snake.clip import scale
 from snake.engine import Engine
 from snake.messages import GradsOnHost, Stop, WriteTail
 from snake.optim import adamw_step
-from snake.plans import DELAYED, StepOp
+from snake.plans import DELAYED, Idle, StepOp
 from snake.stores import Unit, scatter
 
 
@@ -60,6 +60,10 @@ class OptimizerWorker(Actor):
 
     async def run(self) -> None:
         for op in self.e.plans.worker_plan(self.clock.iterations(), self.layers, self.e.first_delayed):
+            if isinstance(op, Idle):  # no layer of this worker's steps in this iteration
+                self.at(op.t)
+                await self.clock.begun(op.t)
+                continue
             self.at(op.t, op.layer)
             if not await self.clock.runs(op.t):
                 continue  # the run stopped before this iteration (the data, or a stop asked for)

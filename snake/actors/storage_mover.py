@@ -21,6 +21,7 @@ from snake.actors.base import Actor
 from snake.channels import Mailbox, StageClock
 from snake.engine import Engine
 from snake.messages import Stop, TailOnHost, WriteTail
+from snake.plans import Idle
 
 READ_POOL = {"param": "param_in", "ckpt": "ckpt_in", "opt": "opt", "grad": "grad_in"}
 
@@ -47,6 +48,10 @@ class SsdRead(Actor):
         plan = e.plans.read_plan(self.clock.iterations(), lambda kind, unit: kind in e.stores and e.stores[kind].has_tail(unit),
                                  e.first_delayed)
         for op in plan:
+            if isinstance(op, Idle):  # no read in this iteration
+                self.at(op.t)
+                await self.clock.begun(op.t)
+                continue
             self.at(op.t, op.unit[0], op.unit[1] if op.kind == "ckpt" else None)
             if not await self.clock.reach(op.start, op.t):  # type: ignore[arg-type]
                 continue  # the run stopped before this iteration (the data, or a stop asked for)
