@@ -266,15 +266,21 @@ class DataSource:
             await asyncio.wait([pending], timeout=grace)
         return not self.fetching()
 
-    async def peek(self, executor: Executor) -> Any:
+    async def peek(self, executor: Executor, where: str) -> Any:
         """The next batch, handed out again by the next `next()`. Called first before
-        anything else runs (the trainer's build): it also sees whether the data draws
-        from torch's global generator (`draws_rng`)."""
+        anything else runs (the trainer's build, `run(data=...)`): it also sees whether the
+        data draws from torch's global generator (`draws_rng`). An exception its next()
+        raises is a DataError (`next_raised`, `where`: which batch this is)."""
         drew: list[bool] = []
         # an async source's first __anext__ runs on this loop: its draws are seen from here
         # (the generator's state as bytes: no kernel runs on the loop's thread)
         state = _rng_bytes() if self._aiter is not None and not self._peeked else None
-        item = await self.next(executor, drew)
+        try:
+            item = await self.next(executor, drew)
+        except DataError:
+            raise
+        except Exception as exc:
+            raise next_raised(exc, where) from exc
         if state is not None:
             drew.append(state != _rng_bytes())
         self.draws_rng = self.draws_rng or any(drew)

@@ -288,12 +288,7 @@ class SnakeTrainer:
         if not await self.source.settle(_NEXT_GRACE_S):
             self._new_data_thread()
         try:
-            try:
-                first = await new.peek(self._data_ex)
-            except DataError:
-                raise
-            except Exception as exc:
-                raise next_raised(exc, "the new data's first batch; the trainer keeps its data") from exc
+            first = await new.peek(self._data_ex, "the new data's first batch; the trainer keeps its data")
             shape = pair_of(first)[0].shape
             if shape != self.engine.input_shape:
                 raise DataError(
@@ -614,12 +609,7 @@ class SnakeTrainer:
         self._data_ex = ThreadPoolExecutor(
             1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
         )
-        try:
-            first = await self.source.peek(self._data_ex)
-        except DataError:
-            raise
-        except Exception as exc:  # nothing is built: the run can be tried again
-            raise next_raised(exc, "its first batch") from exc
+        first = await self.source.peek(self._data_ex, "its first batch")  # nothing built: run() can be tried again
         planned = (cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None
                    or cfg.resident_optimizer is None)
         if planned:
