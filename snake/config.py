@@ -199,7 +199,8 @@ class SnakeConfig:
         least 1 MB/s; None: no cap.
     device_link_bytes_per_s: cap on host<->device transfers, each direction its own token
         bucket (a full-duplex PCIe link), for experiments: on a CPU device it charges the
-        bytes a GPU would move, also where the CPU run moves none (a view of host memory).
+        bytes a GPU would move, also where the CPU run moves none (a view of host memory); at
+        least 1 MB/s.
     loss_scale: float16's loss scale: a number, static (ignored with other dtypes; a step
         whose gradient overflowed fails the run with GradientOverflow before it is taken,
         where plain PyTorch with a fixed scale puts inf or nan into the weights), or a
@@ -303,6 +304,11 @@ class SnakeConfig:
             not isinstance(link, int | float) or isinstance(link, bool) or not math.isfinite(link) or not link > 0
         ):
             raise ConfigError("device_link_bytes_per_s", link, "must be > 0 bytes/s or None (no cap)")
+        if link is not None and link < MIN_SSD_BANDWIDTH:
+            raise ConfigError(
+                "device_link_bytes_per_s", link, f"must be >= {MIN_SSD_BANDWIDTH} bytes/s (1 MB/s)",
+                "a lower cap makes each layer's copy take minutes (1 byte/s stalled the run); use None for no cap",
+            )
         st = self.stall_timeout_s
         if st is not None and (not _number(st) or not st > 0):
             raise ConfigError("stall_timeout_s", st, "must be > 0 seconds or None (no watchdog)")

@@ -25,6 +25,8 @@ from tests.helpers import batches, tiny_gpt
         (dict(ssd_bandwidth_bytes_per_s=0), "ssd_bandwidth_bytes_per_s"),
         (dict(device_link_bytes_per_s=-5.0), "device_link_bytes_per_s"),
         (dict(device_link_bytes_per_s=float("nan")), "device_link_bytes_per_s"),
+        (dict(device_link_bytes_per_s=1), "device_link_bytes_per_s"),
+        (dict(device_link_bytes_per_s=999_999.0), "device_link_bytes_per_s"),
         (dict(cpu_memory_bytes=-1), "cpu_memory_bytes"),
         (dict(optimizer_workers=0), "optimizer_workers"),
         (dict(offload_dir=""), "offload_dir"),
