@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread
 import ctypes
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -12,6 +14,23 @@ from functools import cache
 from typing import Any, TypeVar
 
 R = TypeVar("R")
+
+
+def _forget_pool_threads() -> None:
+    """In a child forked from a thread of a ThreadPoolExecutor (a DataLoader's workers,
+    started by the data's next() on snake's data thread), forget the parent's pool threads,
+    which the child does not have. CPython 3.11 (gh-88110) keeps them, and the
+    child's exit joined its own thread: "cannot join current thread", exit code 1. Each
+    DataLoader worker of an epoch after the first ended so, and where a DataLoader
+    iterator made on the main thread had set torch's SIGCHLD handler (a batch looked at
+    before training, a StatefulDataLoader's state), the handler raised "DataLoader worker
+    exited unexpectedly" in whatever the main thread ran then: an actor of the run, which
+    failed. Later CPython registers the same clear itself (3.14's pool module does)."""
+    concurrent.futures.thread._threads_queues.clear()  # type: ignore[attr-defined]
+
+
+if hasattr(os, "register_at_fork"):  # once per process, as the pool module's own at-fork hook
+    os.register_at_fork(after_in_child=_forget_pool_threads)
 
 
 async def run_blocking(

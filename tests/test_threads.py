@@ -144,3 +144,27 @@ async def test_cpu_device_runs_adamw_on_the_compute_thread(tmp_path, monkeypatch
         assert seen and set(seen) == {("snake-compute_0", torch.get_num_threads())}
     else:
         assert seen and set(seen) == {("snake-optimizer", 1)}  # "snake-optimizer_N" cut to 15 bytes
+
+
+def _started(ctx) -> object:  # type: ignore[no-untyped-def]
+    p = ctx.Process(target=int)
+    p.start()
+    return p
+
+
+def test_a_process_forked_from_a_pool_thread_exits_cleanly():
+    """A DataLoader's workers are forked from snake's data thread, a ThreadPoolExecutor's:
+    on CPython 3.11 such a child failed at its exit (gh-88110: it joined its own thread),
+    exit code 1, and torch's SIGCHLD handler raised "DataLoader worker exited unexpectedly"
+    into whatever the main thread ran (`snake.blocking` forgets the pool's threads in a
+    forked child; tests/test_data_state.py trains across epochs with workers)."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    import snake.blocking  # noqa: F401  (what registers the at-fork hook)
+
+    ctx = multiprocessing.get_context("fork")
+    with ThreadPoolExecutor(1) as ex:
+        p = ex.submit(_started, ctx).result()
+    p.join(30)  # type: ignore[attr-defined]
+    assert p.exitcode == 0  # type: ignore[attr-defined]
