@@ -2,6 +2,7 @@
 
 from snake.adapters import ModelParts
 from snake.config import AdamW, DynamicLossScale, Placement, SnakeConfig, tiny_cpu
+from snake.epochs import Epochs
 from snake.errors import (
     ActorFailed,
     ConfigError,
@@ -23,6 +24,7 @@ __all__ = [
     "DataError",
     "DataExhausted",
     "DynamicLossScale",
+    "Epochs",
     "EvalReport",
     "ModelError",
     "ModelParts",

@@ -27,6 +27,13 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            model from its config, which does not hold them; a load leaves
                            the model's as they are)
   rng.safetensors          torch's global RNG state(s) as uint8 tensors
+  data.safetensors         the tensors of the data's state (a stateful source's: one with
+                           `state_dict()` and `load_state_dict()`, torchdata's
+                           StatefulDataLoader): the state after the last batch trained on,
+                           whose tree is the manifest's `data_state` (`snake.data_state`); a
+                           load with such data hands it to `load_state_dict` instead of
+                           reading and dropping the batches trained before. Absent (and no
+                           `data_state`) where the data has no state.
 
 Every parameter has had `step` AdamW steps, less its `missed_steps` (iterations in which it
 got no gradient, which torch.optim.AdamW skips too): delayed optimizer work (alpha > 0) is
@@ -68,6 +75,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
 from snake.adapters import (
@@ -84,6 +92,7 @@ from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.clip import json_float
 from snake.config import DynamicLossScale, Placement, SnakeConfig
+from snake.data_state import Snapshot, check_tree
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
 from snake.lr import describe
@@ -103,6 +112,7 @@ VERSION = 2
 READS = (1, 2)
 MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
+DATA = "data.safetensors"
 RNG = "rng.safetensors"
 COMPS = ("master", "exp_avg", "exp_avg_sq")
 # config fields a resume must match (None on either side: not checked)
@@ -154,6 +164,7 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
         )
     _check_save_target(target)  # before the delayed steps are flushed: a bad path changes nothing
     _check_save_space(trainer, target, store)
+    data = _data_state(trainer)
     trainer._begin()
     try:
         e = trainer.engine
@@ -174,10 +185,13 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
         }
         if e is not None and e.scaler is not None:
             manifest["loss_scale"] = e.scaler.state()
+        if data is not None:
+            manifest["data_state"] = data.tree
         rng = rng_state()
         stop = threading.Event()  # a cancelled save stops at its next file and removes what it wrote
         with _borrowed(e, "opt", every=True) as bufs:
-            await _blocking(e, functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target, bufs, stop),
+            await _blocking(e, functools.partial(_save_blocking, e, trainer.parts, manifest, rng, target, bufs, stop,
+                                                 data.tensors if data is not None else None),
                             on_cancel=stop.set)
     finally:
         trainer._end()
@@ -207,12 +221,13 @@ async def load_checkpoint(
         await _blocking(None, lambda: check_compatible(manifest, trainer.config, trainer.parts,
                                                         trainer_digests(trainer)))
         consumed, left = int(manifest["consumed_batches"]), trainer.source.left()
-        if skip_data and left is not None and left < consumed:  # a list or tuple: known before it is read
+        restores = skip_data and trainer.source.stateful and "data_state" in manifest
+        if skip_data and not restores and left is not None and left < consumed:  # a list: known before it is read
             raise _short_data(consumed, f"data holds {left}")
         trainer.config = fill_config(trainer.config, manifest)
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:
-            await _restore(trainer, target, manifest, skip_data)
+            await _restore(trainer, target, manifest, skip_data, restores)
         except BaseException as exc:
             trainer._broken = f"load({str(target)!r}) failed: {type(exc).__name__}: {exc}"
             await trainer._shutdown()
@@ -221,15 +236,24 @@ async def load_checkpoint(
         trainer._end()
 
 
-async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool) -> None:
+async def _restore(
+    trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool, restores: bool
+) -> None:
+    """`restores`: hand the checkpoint's data state to the (stateful) data, else skip the
+    batches it consumed by reading them (where skip_data)."""
     consumed = int(manifest["consumed_batches"])
-    if skip_data and consumed:
+    if restores or (skip_data and consumed):
         ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data", initializer=name_native_thread)
         try:
-            for _ in range(consumed):
-                await trainer.source.next(ex)
-        except DataError as exc:
-            raise _short_data(consumed, f"data ran out after {trainer.source.consumed}") from exc
+            if restores:
+                snap = await run_blocking(ex, _read_data_state, target, manifest)
+                await trainer.source.restore(snap, consumed, ex)
+            else:
+                try:
+                    for _ in range(consumed):
+                        await trainer.source.next(ex)
+                except DataError as exc:
+                    raise _short_data(consumed, f"data ran out after {trainer.source.consumed}") from exc
         finally:
             # joined unless a cancellation left the user's next() running there (it may block
             # for long, and the load does not wait for it, as run() does not): that thread
@@ -245,6 +269,37 @@ async def _restore(trainer: SnakeTrainer, target: Path, manifest: dict[str, Any]
         rng = await run_blocking(e.executors["io"], apply_checkpoint, e, trainer.parts, target, manifest,
                                  obuf[0] if obuf else None, pbuf[0] if pbuf else None, stop, on_cancel=stop.set)
     set_rng_state(rng)
+
+
+def _data_state(trainer: SnakeTrainer) -> Snapshot | None:
+    """The state a save stores of the trainer's data (after the last batch it trained on;
+    None where the data has none). Where a stateful source's is not known there (its
+    state_dict() failed at that batch), a warning: the checkpoint's load reads and drops
+    the batches instead, as for data without state."""
+    source = trainer.source
+    if not source.stateful:
+        return None
+    snap = source.state()
+    if snap is None:
+        log.warning("save: the data's state after its %d batches trained on is not known (its state_dict() failed "
+                    "there): a load of this checkpoint reads and drops those batches instead of restoring the "
+                    "state", source.consumed)
+    return snap
+
+
+def _read_data_state(target: Path, manifest: dict[str, Any]) -> Snapshot:
+    """Blocking: the data state a checkpoint holds (the manifest's tree, the tensors of
+    data.safetensors), checked."""
+    tensors: dict[str, torch.Tensor] = {}
+    if DATA in manifest["files"]:
+        try:
+            tensors = st_load_file(str(target / DATA))
+        except (SafetensorError, OSError) as exc:
+            raise SnakeError(f"load: {target / DATA} is not a valid safetensors file: {exc}") from exc
+    why = check_tree(manifest["data_state"], set(tensors))
+    if why is not None:
+        raise SnakeError(why)
+    return Snapshot(manifest["data_state"], tensors)
 
 
 def _short_data(consumed: int, have: str) -> DataError:
@@ -687,6 +742,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 def _save_blocking(
     e: Engine | None, parts: ModelParts, manifest: dict[str, Any], rng: dict[str, torch.Tensor], target: Path,
     bufs: list[HostBuffer] | None = None, stop: threading.Event | None = None,
+    data: dict[str, torch.Tensor] | None = None,
 ) -> None:
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -720,6 +776,8 @@ def _save_blocking(
         files[RESIDENT] = _write_tensors(tmp / RESIDENT, resident_tensors(e, parts, frozen), meta)
         check_stop()
         files[RNG] = _write_tensors(tmp / RNG, {k: v.contiguous() for k, v in rng.items()}, meta)
+        if data is not None:  # the data's state (its tree is the manifest's)
+            files[DATA] = _write_tensors(tmp / DATA, data, meta)
         manifest = {**manifest, "files": files}
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
         _fsync_dir(tmp)

@@ -8,7 +8,7 @@ import contextlib
 import gc
 import threading
 import warnings
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -16,10 +16,15 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
+from snake import data_state
 from snake.blocking import retrieved
+from snake.data_state import Snapshot
 from snake.errors import DataError, DataExhausted, traceback_frames
 
 _END = object()
+# snapshots of a stateful source's state kept below the batches handed out: a run hands back
+# at most the few it read ahead of the steps it trained
+_KEEP_STATES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +36,34 @@ class _Interrupt:
     exc: BaseException
 
 
-async def _anext(aiter: AsyncIterator[Any]) -> Any:
+async def _anext(aiter: AsyncIterator[Any], state_of: Callable[[], Any] | None) -> Any:
+    """(item or _END, its snapshot), or an _Interrupt."""
     before = torch.is_inference_mode_enabled()
     try:
         item = await anext(aiter, _END)
     except (KeyboardInterrupt, SystemExit) as e:
         return _Interrupt(e)
     _check_mode_left(before)
-    return item
+    return item, _snapshot(item, state_of)
+
+
+def _next_with_state(
+    it: Iterator[Any], lock: threading.Lock | None, drew: list[bool] | None, state_of: Callable[[], Any] | None
+) -> tuple[Any, Snapshot | DataError | None]:
+    """(`_next_item`, the source's state after it), on the data thread."""
+    item = _next_item(it, lock, drew)
+    return item, _snapshot(item, state_of)
+
+
+def _snapshot(item: Any, state_of: Callable[[], Any] | None) -> Snapshot | DataError | None:
+    """A stateful source's state right after it gave `item` (None: no state, or no item);
+    the DataError its state_dict() gave, to raise once the item is kept (none is lost)."""
+    if item is _END or state_of is None:
+        return None
+    try:
+        return data_state.take(state_of)
+    except DataError as exc:
+        return exc
 
 
 def _check_mode_left(before: bool) -> None:
@@ -103,7 +128,13 @@ class DataSource:
     block for long: a stuck loader, a queue): the call goes on on its thread, and the batch
     it returns is the one the next `next()` hands out, so none is skipped. An async one's
     `__anext__` goes on as a task of its own likewise (a cancellation thrown into an async
-    generator would end it for good)."""
+    generator would end it for good).
+
+    A stateful source (`state_dict()` and `load_state_dict()`: torchdata's
+    StatefulDataLoader, `snake.Epochs` over one) has its state taken after each batch, on
+    the thread that read it (`snake.data_state`): `state()` is the one after the last batch
+    handed out and not handed back, which a checkpoint stores, and `restore` puts new data
+    there (`load()`), where a stateless one reads and drops the batches trained before."""
 
     def __init__(self, data: Any) -> None:
         check_container(data, "data")
@@ -123,7 +154,16 @@ class DataSource:
             raise DataError(
                 f"data: expected an iterable or async iterable of (inputs, targets), got {type(data).__name__}{fix}"
             )
-        self._peeked: list[Any] = []
+        self._peeked: list[tuple[Any, Snapshot | None]] = []  # handed back: (item, its snapshot)
+        self._data: Any = data
+        state_of, load_state = getattr(data, "state_dict", None), getattr(data, "load_state_dict", None)
+        stateful = callable(state_of) and callable(load_state)
+        self._state_of: Callable[[], Any] | None = state_of if stateful else None
+        self._load_state: Callable[[Any], Any] | None = load_state if stateful else None
+        # the state after each batch handed out, by how many were then (none before the
+        # first: a save then needs none, and a StatefulDataLoader's state_dict() would start
+        # its iterator, worker processes and all, on the thread that makes the trainer)
+        self._states: dict[int, Snapshot | None] = {}
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
         self._call: Future[Any] | None = None  # that next() on its thread: done as it returns
         self.consumed = 0  # global batches handed out
@@ -142,35 +182,43 @@ class DataSource:
 
     async def next(self, executor: Executor, drew: list[bool] | None = None) -> Any:
         if self._peeked:
-            item = self._peeked.pop()
+            item, snap = self._peeked.pop()
         else:
             pending = self._pending
             if pending is not None and pending.get_loop() is not asyncio.get_running_loop():
                 pending = self._adopt(pending)
             if pending is None and self._aiter is not None:
-                pending = self._pending = asyncio.ensure_future(_anext(self._aiter))
+                pending = self._pending = asyncio.ensure_future(_anext(self._aiter, self._state_of))
                 pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
             elif pending is None:
                 assert self._iter is not None
                 lock = self.rng_lock if self.draws_rng else None
-                self._call = executor.submit(_next_item, self._iter, lock, drew)
+                self._call = executor.submit(_next_with_state, self._iter, lock, drew, self._state_of)
                 pending = self._pending = asyncio.wrap_future(self._call)
             try:
-                item = await asyncio.shield(pending)
+                got = await asyncio.shield(pending)
             except BaseException:
                 if pending.done() and (pending.cancelled() or pending.exception() is not None):
                     self._pending = None  # it failed: nothing to hand out later
                 raise  # else it runs on, or holds a batch: the next call hands that out
             self._pending = None
-            if isinstance(item, _Interrupt):
-                raise item.exc  # here, in the data actor's task, which carries it to run()
+            if isinstance(got, _Interrupt):
+                raise got.exc  # here, in the data actor's task, which carries it to run()
+            item, snap = got
             self._taken += 1
+            if isinstance(snap, DataError):  # its state_dict() failed: the item comes next time
+                self._peeked.append((item, None))
+                raise snap
         if item is _END:
             raise DataExhausted(f"data: ran out after {self.consumed} global batches" + (
                 " (it gave none: an iterator that was read to its end before, a generator another loop or "
                 "trainer used up, gives no more)" if self.consumed == 0 else "")
                 + f"; give more batches (or an endless iterator{_EPOCHS}) or run fewer steps")
         self.consumed += 1
+        if self._state_of is not None:
+            self._states[self.consumed] = snap
+            for k in [k for k in self._states if k < self.consumed - _KEEP_STATES]:
+                del self._states[k]
         return item
 
     def _adopt(self, pending: asyncio.Future[Any]) -> asyncio.Future[Any]:
@@ -198,7 +246,9 @@ class DataSource:
         it is pending!")."""
         pending, self._pending, self._call = self._pending, None, None
         self._iter = self._aiter = None
+        self._data = self._state_of = self._load_state = None
         self._peeked.clear()
+        self._states.clear()
         if not isinstance(pending, asyncio.Task) or pending.done():
             return
         home = pending.get_loop()
@@ -212,8 +262,50 @@ class DataSource:
     def unread(self, item: Any) -> None:
         """Hand `item` out again first (a batch a run read but stopped before training on:
         items handed back in the reverse of their order come out in it)."""
-        self._peeked.append(item)
+        self._peeked.append((item, self._states.pop(self.consumed, None)))
         self.consumed -= 1
+
+    @property
+    def stateful(self) -> bool:
+        """Has the data `state_dict()` and `load_state_dict()`?"""
+        return self._state_of is not None
+
+    def state(self) -> Snapshot | None:
+        """A stateful source's state after the last batch handed out and not handed back
+        (between runs: the last one trained on); None where the data has no state, or where
+        that state is not known (its state_dict() failed there)."""
+        return self._states.get(self.consumed)
+
+    async def restore(self, snap: Snapshot, consumed: int, executor: Executor) -> None:
+        """Put a stateful source where `snap` says (its `load_state_dict`, then a new
+        iterator of it, on `executor`: the user's code) and count `consumed` batches handed
+        out, as a checkpoint's load does before anything reads it. DataError where the data
+        refuses the state."""
+        assert self._load_state is not None and not self.consumed and self._pending is None
+        data, load_state, state = self._data, self._load_state, data_state.restore(snap)
+
+        def load() -> Iterator[Any] | None:
+            try:
+                load_state(state)
+            except Exception as exc:
+                line = next(iter(str(exc).splitlines()), "")
+                raise DataError(
+                    f"load: data.load_state_dict() raised {type(exc).__name__}: {line}; the checkpoint's data state "
+                    "does not fit this data: give the data (of the same kind and settings) the checkpoint was trained "
+                    "on, or load(..., skip_data=False) with data that starts after the batches it trained on"
+                ) from exc
+            return None if self._aiter is not None else iter(data)
+
+        it = await asyncio.wrap_future(executor.submit(load))
+        if self._aiter is not None:
+            self._aiter = data.__aiter__()
+        else:
+            self._iter = it
+        self._peeked.clear()
+        self._states = {consumed: snap}
+        self.consumed = consumed
+        self._len = self._short_last = None  # its position is its own now
+        self._taken = 0
 
     @property
     def is_async(self) -> bool:
@@ -284,8 +376,7 @@ class DataSource:
         if state is not None:
             drew.append(state != _rng_bytes())
         self.draws_rng = self.draws_rng or any(drew)
-        self.consumed -= 1
-        self._peeked.append(item)
+        self.unread(item)
         return item
 
 
@@ -297,7 +388,7 @@ def next_raised(exc: BaseException, where: str) -> DataError:
     return DataError(f"data: its next() raised {type(exc).__name__}: {line} ({where})")
 
 
-_EPOCHS = ": several epochs of a DataLoader or a list are `(b for _ in range(epochs) for b in loader)`"
+_EPOCHS = ": several epochs of a DataLoader or a list are `snake.Epochs(loader, epochs)`"
 
 
 def _rng_bytes() -> bytes:
