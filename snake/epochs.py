@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler, DataLoader
 
 from snake.errors import ConfigError, DataError
 
@@ -22,7 +23,8 @@ class Epochs:
     `seed + epoch` (`seed`: default, the loader's generator's, else its sampler's, as
     given; where none has a generator, nothing is seeded), and a sampler's
     `set_epoch(epoch)` is called where it has one (DistributedSampler). An epoch in which
-    the loader gives no batch is a DataError (an empty loader would loop for ever).
+    the loader gives no batch is a DataError (an empty loader would loop for ever), as is
+    a DataLoader whose epochs end with a short batch (drop_last=False), at once.
 
     Over a loader with `state_dict()` and `load_state_dict()` (torchdata's
     StatefulDataLoader) it has them too (it is then a `StatefulEpochs`): its state is the
@@ -51,6 +53,14 @@ class Epochs:
             raise ConfigError("Epochs(epochs=...)", epochs, "must be an integer >= 1, or None: without end")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise ConfigError("Epochs(seed=...)", seed, "must be an integer >= 0, or None: the loader's generator's")
+        short = _short_last_batch(loader)
+        if short is not None:
+            rows, size = short
+            raise DataError(
+                f"Epochs(loader): each epoch would end with a batch of {rows} rows where the others have {size} (its "
+                f"sampler's length is not a multiple of batch_size={size}); snake keeps the batch shape fixed: pass "
+                "drop_last=True to the DataLoader (or to the BatchSampler you gave it)"
+            )
         self.loader = loader
         self.epochs = epochs
         self.epoch = 0  # the epoch being read
@@ -100,6 +110,20 @@ class StatefulEpochs(Epochs):
         self._start_epoch()  # the seeds the epoch began with: the loader's restore draws from them as it did
         self.loader.load_state_dict(state["loader"])
         self._resumed = True
+
+
+def _short_last_batch(loader: Any) -> tuple[int, int] | None:
+    """(rows, batch_size) of the short batch that ends each epoch of a DataLoader (its
+    BatchSampler, drop_last=False, over a sampler whose length is not a multiple of
+    batch_size), else None."""
+    batches = getattr(loader, "batch_sampler", None)
+    if not isinstance(loader, DataLoader) or not isinstance(batches, BatchSampler) or batches.drop_last:
+        return None
+    try:
+        rows = len(batches.sampler)  # type: ignore[arg-type]
+    except TypeError:  # a sampler without a length
+        return None
+    return (rows % batches.batch_size, batches.batch_size) if rows % batches.batch_size else None
 
 
 def _samplers(loader: Any) -> list[Any]:

@@ -355,6 +355,11 @@ def test_epochs_strings_a_loaders_epochs_together():
         Epochs(iter([1, 2]))
     with pytest.raises(SnakeError, match="epochs"):
         Epochs([1], 0)
+    with pytest.raises(DataError, match="batch of 2 rows where the others have 4.*drop_last=True"):
+        Epochs(DataLoader(Rows(10), batch_size=4))
+    with pytest.raises(DataError, match="batch of 2 rows"):
+        Epochs(_quiet_loader(Rows(10), batch_size=4, shuffle=True))
+    assert list(Epochs(DataLoader(Rows(10), batch_size=5), 1)) != []  # no short batch: taken
 
 
 def test_epochs_reshuffles_each_epoch_from_its_seed_and_calls_set_epoch():
