@@ -475,9 +475,11 @@ class SnakeTrainer:
     @_releasing
     async def load(self, directory: Any, *, skip_data: bool = True) -> None:
         """Resume from a checkpoint: on a new trainer, before `run`. Checks the checkpoint
-        against the model and config (ConfigError naming the field), skips the global
-        batches it consumed from `data` (skip_data=False: `data` already starts after
-        them), sets the trainer up and restores its state."""
+        against the model and config (ConfigError naming the field), puts `data` after the
+        global batches the checkpoint consumed (skip_data=False: `data` already starts
+        after them): data with `state_dict()` and `load_state_dict()` (a StatefulDataLoader,
+        `snake.Epochs` over one) gets the state the checkpoint holds, other data is read
+        that far; then sets the trainer up and restores its state."""
         from snake.checkpoint import load_checkpoint
 
         self._check_usable()
