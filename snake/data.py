@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 from snake import data_state
 from snake.blocking import retrieved
 from snake.data_state import Snapshot
+from snake.epochs import Epochs
 from snake.errors import DataError, DataExhausted, traceback_frames
 
 _END = object()
@@ -418,11 +419,17 @@ def check_async_draws(source: DataSource, device: torch.device) -> None:
 
 def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
     """How many batches `data` gives where it says so (a list or tuple; a DataLoader of a
-    map-style dataset with torch's samplers, whose len() is exact), and (rows, batch_size)
+    map-style dataset with torch's samplers, whose len() is exact; `Epochs` of either, a
+    number of epochs from the first), and (rows, batch_size)
     of a DataLoader's short last batch (drop_last=False over a sampler whose length is not
     a multiple of batch_size), else (None, None)."""
     if isinstance(data, Sequence):
         return len(data), None
+    if isinstance(data, Epochs):  # a number of whole epochs, from the first (no short batch: Epochs refuses one)
+        if data.epochs is None or data.epoch:
+            return None, None
+        n = _known_length(data.loader)[0]
+        return (None if n is None else n * data.epochs), None
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None, None  # an IterableDataset's len(), where it has one, is the user's estimate
     if type(data).__iter__ is not DataLoader.__iter__ or type(data).__len__ is not DataLoader.__len__:

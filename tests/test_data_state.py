@@ -401,3 +401,16 @@ def test_epochs_of_a_stateful_loader_resume_at_every_point(workers, how):
         again.load_state_dict(states[k])
         rest = iter(again)
         assert [next(rest)[0][:, 0].tolist() for _ in range(12 - k)] == stream[k + 1:], k
+
+
+@pytest.mark.asyncio
+async def test_a_number_of_epochs_says_its_length(tmp_path):
+    """Epochs(loader, 2) of a DataLoader whose length is known has 2 x its length: run()
+    without steps trains that many, and a longer run(steps) is refused before it trains
+    (it would stop at the data's end)."""
+    loader = DataLoader(Rows(12), batch_size=4, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3))
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=Epochs(loader, 2), config=_cfg(tmp_path / "a")) as t:
+        with pytest.raises(DataError, match=r"run\(7\) needs 7 more global batches but the data has 6 left"):
+            await asyncio.wait_for(t.run(7), 60)
+        report = await asyncio.wait_for(t.run(), 60)
+        assert len(report.steps) == 6
