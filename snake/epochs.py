@@ -138,10 +138,11 @@ def _samplers(loader: Any) -> list[Any]:
 
 
 def _shufflers(loader: Any) -> list[torch.Generator]:
-    """The torch generators that shuffle `loader`: its own `generator` and its samplers'."""
+    """The torch generators that shuffle `loader`: its own `generator` and its samplers'
+    (not torch's global one, given as one of them: that is the process's to seed)."""
     out: list[torch.Generator] = []
     for owner in [loader, *_samplers(loader)]:
         g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not o for o in out):
+        if isinstance(g, torch.Generator) and g is not torch.default_generator and all(g is not o for o in out):
             out.append(g)
     return out

@@ -376,6 +376,10 @@ def test_epochs_reshuffles_each_epoch_from_its_seed_and_calls_set_epoch():
 
     a, b = firsts(plain(), 3), firsts(plain(), 3)
     assert a == b and a[:4] != a[4:8]
+    state = torch.get_rng_state()
+    global_gen = DataLoader(rows, batch_size=4, sampler=RandomSampler(rows, generator=torch.default_generator))
+    assert Epochs(global_gen).seed is None  # torch's global generator is the process's to seed: left alone
+    assert torch.equal(torch.get_rng_state(), state)
     sampler = DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=1)
     seen = []
     sampler.set_epoch = lambda e, f=sampler.set_epoch: (seen.append(e), f(e))[1]
