@@ -35,6 +35,11 @@ A checkpoint is a directory of safetensors files and one JSON manifest (no pickl
                            reading and dropping the batches trained before. Absent (and no
                            `data_state`) where the data has no state.
 
+The manifest's `batch` records the shapes and dtypes of the trainer's batches (inputs and
+targets): a load whose data has no batch after the checkpoint's (a run trained to its
+data's end) sizes the trainer from it, to evaluate or go on with `run(data=...)`; absent in
+checkpoints before round 42 and in one saved before the first run.
+
 Every parameter has had `step` AdamW steps, less its `missed_steps` (iterations in which it
 got no gradient, which torch.optim.AdamW skips too): delayed optimizer work (alpha > 0) is
 flushed before saving, so a resumed run gives the weights of an uninterrupted one. The
@@ -92,6 +97,7 @@ from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.clip import json_float
 from snake.config import DynamicLossScale, Placement, SnakeConfig
+from snake.data import spec_error, stand_in_batch
 from snake.data_state import Snapshot, check_tree
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
@@ -187,6 +193,8 @@ async def save_checkpoint(trainer: SnakeTrainer, directory: str | os.PathLike[st
             manifest["loss_scale"] = e.scaler.state()
         if data is not None:
             manifest["data_state"] = data.tree
+        if trainer._batch_spec is not None:
+            manifest["batch"] = trainer._batch_spec
         rng = rng_state()
         stop = threading.Event()  # a cancelled save stops at its next file and removes what it wrote
         with _borrowed(e, "opt", every=True) as bufs:
@@ -224,10 +232,15 @@ async def load_checkpoint(
         restores = skip_data and trainer.source.stateful and "data_state" in manifest
         if skip_data and not restores and left is not None and left < consumed:  # a list: known before it is read
             raise _short_data(consumed, f"data holds {left}")
+        # checked before the point of no return below, as the rest of the manifest is
+        snap = await _blocking(None, functools.partial(_read_data_state, target, manifest)) if restores else None
         trainer.config = fill_config(trainer.config, manifest)
+        # where the data has no batch after the checkpoint's (a run trained to its end), the
+        # engine is sized from the batch shapes the checkpoint records
+        trainer._stand_in = stand_in_batch(manifest["batch"]) if "batch" in manifest else None
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:
-            await _restore(trainer, target, manifest, skip_data, restores)
+            await _restore(trainer, target, manifest, skip_data, snap)
         except BaseException as exc:
             trainer._broken = f"load({str(target)!r}) failed: {type(exc).__name__}: {exc}"
             await trainer._shutdown()
@@ -237,16 +250,15 @@ async def load_checkpoint(
 
 
 async def _restore(
-    trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool, restores: bool
+    trainer: SnakeTrainer, target: Path, manifest: dict[str, Any], skip_data: bool, snap: Snapshot | None
 ) -> None:
-    """`restores`: hand the checkpoint's data state to the (stateful) data, else skip the
-    batches it consumed by reading them (where skip_data)."""
+    """`snap`: the checkpoint's data state, handed to the (stateful) data; else the batches
+    it consumed are skipped by reading them (where skip_data)."""
     consumed = int(manifest["consumed_batches"])
-    if restores or (skip_data and consumed):
+    if snap is not None or (skip_data and consumed):
         ex = ThreadPoolExecutor(1, thread_name_prefix="snake-data", initializer=name_native_thread)
         try:
-            if restores:
-                snap = await run_blocking(ex, _read_data_state, target, manifest)
+            if snap is not None:
                 await trainer.source.restore(snap, consumed, ex)
             else:
                 try:
@@ -259,8 +271,11 @@ async def _restore(
             # for long, and the load does not wait for it, as run() does not): that thread
             # ends when it returns
             ex.shutdown(wait=not trainer.source.fetching(), cancel_futures=True)
+    if not skip_data:  # the data starts after the checkpoint's batches: its own state is not that position
+        trainer.source.skipped = consumed
     trainer.source.consumed = consumed
     await trainer._setup()
+    trainer._stand_in = None
     check_resolved(trainer.config, manifest)
     e = trainer.engine
     assert e is not None
@@ -280,7 +295,7 @@ def _data_state(trainer: SnakeTrainer) -> Snapshot | None:
     if not source.stateful:
         return None
     snap = source.state()
-    if snap is None:
+    if source.state_lost():
         log.warning("save: the data's state after its %d batches trained on is not known (its state_dict() failed "
                     "there): a load of this checkpoint reads and drops those batches instead of restoring the "
                     "state", source.consumed)
@@ -506,6 +521,8 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
     _check_loss_scale(manifest, damaged)
     if not isinstance(manifest.get("frozen_stored", True), bool):
         raise damaged("frozen_stored", manifest["frozen_stored"], "must be true or false")
+    if "batch" in manifest and (why := spec_error(manifest["batch"])) is not None:
+        raise damaged("batch", manifest["batch"], why)
     files: dict[str, Any] = manifest["files"]
     for name, info in files.items():
         if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):

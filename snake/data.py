@@ -165,6 +165,10 @@ class DataSource:
         # first: a save then needs none, and a StatefulDataLoader's state_dict() would start
         # its iterator, worker processes and all, on the thread that makes the trainer)
         self._states: dict[int, Snapshot | None] = {}
+        self._restoring: Future[Any] | None = None  # `restore`'s load_state_dict, on the data thread
+        # batches counted in `consumed` that this data never gave (load(skip_data=False): it
+        # starts after them): its own state is then not the position the count says
+        self.skipped = 0
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
         self._call: Future[Any] | None = None  # that next() on its thread: done as it returns
         self.consumed = 0  # global batches handed out
@@ -247,7 +251,7 @@ class DataSource:
         it is pending!")."""
         pending, self._pending, self._call = self._pending, None, None
         self._iter = self._aiter = None
-        self._data = self._state_of = self._load_state = None
+        self._data = self._state_of = self._load_state = self._restoring = None
         self._peeked.clear()
         self._states.clear()
         if not isinstance(pending, asyncio.Task) or pending.done():
@@ -273,9 +277,16 @@ class DataSource:
 
     def state(self) -> Snapshot | None:
         """A stateful source's state after the last batch handed out and not handed back
-        (between runs: the last one trained on); None where the data has no state, or where
-        that state is not known (its state_dict() failed there)."""
-        return self._states.get(self.consumed)
+        (between runs: the last one trained on); None where the data has no state, where
+        no batch was (the start needs none), where that state is not known (its
+        state_dict() failed there), or where the count includes batches the data never
+        gave (`skipped`)."""
+        return None if self.skipped else self._states.get(self.consumed)
+
+    def state_lost(self) -> bool:
+        """Is a stateful source's state after its last batch unknown for want of a
+        snapshot (its state_dict() failed there), not by design (`state`)?"""
+        return self.stateful and self.consumed > 0 and not self.skipped and self._states.get(self.consumed) is None
 
     async def restore(self, snap: Snapshot, consumed: int, executor: Executor) -> None:
         """Put a stateful source where `snap` says (its `load_state_dict`, then a new
@@ -297,7 +308,9 @@ class DataSource:
                 ) from exc
             return None if self._aiter is not None else iter(data)
 
-        it = await asyncio.wrap_future(executor.submit(load))
+        self._restoring = executor.submit(load)
+        it = await asyncio.wrap_future(self._restoring)
+        self._restoring = None
         if self._aiter is not None:
             self._aiter = data.__aiter__()
         else:
@@ -343,11 +356,16 @@ class DataSource:
         """Is a sync iterator's next() still running on the data thread (left by a
         cancellation)?"""
         # the thread's own future, not the loop's copy, which is marked done only when the
-        # loop next runs its callbacks
+        # loop next runs its callbacks (also: a `restore`'s load_state_dict a cancelled
+        # load() left running)
+        if self._restoring is not None and not self._restoring.done():
+            return True
         return self._pending is not None and self._call is not None and not self._call.done()
 
     def thread_call(self) -> Future[Any] | None:
-        """The next() running on the data thread (`fetching`), else None."""
+        """The next() (or load_state_dict) running on the data thread (`fetching`), else None."""
+        if self._restoring is not None and not self._restoring.done():
+            return self._restoring
         return self._call if self.fetching() else None
 
     async def settle(self, grace: float) -> bool:
@@ -473,6 +491,36 @@ class Vocab:
 
 
 HF_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+_SPEC_DTYPES = ("int64", "int32", "int16", "uint8", "float32", "float16", "bfloat16", "float64")
+
+
+def batch_spec(item: Any) -> dict[str, Any]:
+    """The shape and dtype of a batch's inputs and targets (a checkpoint's `batch`)."""
+    return {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in zip(("inputs", "targets"), pair_of(item), strict=True)}
+
+
+def spec_error(spec: Any) -> str | None:
+    """Why `spec` is not a `batch_spec` (None: it is one)."""
+    if not isinstance(spec, dict) or sorted(spec) != ["inputs", "targets"]:
+        return "must be a mapping of inputs and targets"
+    for name, part in spec.items():
+        shape = part.get("shape") if isinstance(part, dict) else None
+        if not (isinstance(shape, list) and shape and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                          for n in shape)):
+            return f"{name}.shape must be a list of integers >= 1"
+        if part.get("dtype") not in _SPEC_DTYPES:
+            return f"{name}.dtype must be one of {_SPEC_DTYPES}"
+    return None
+
+
+def stand_in_batch(spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of zeros of `spec`'s shapes and dtypes: what sizes an engine where the data
+    has no batch left (never trained on)."""
+    ins, tgs = (torch.zeros(spec[k]["shape"], dtype=getattr(torch, spec[k]["dtype"])) for k in ("inputs", "targets"))
+    return ins, tgs
 
 
 def pair_of(item: Any) -> tuple[Any, Any]:

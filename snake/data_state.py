@@ -11,8 +11,9 @@ before.
 A snapshot is a JSON tree (the manifest's `data_state`) and the tensors it refers to (the
 checkpoint's `data.safetensors`): no pickle, as the rest of a checkpoint. It holds dicts
 (any of these as keys), lists, tuples, str, int, float (nan and infinities too), bool,
-None, bytes and torch tensors (on the CPU after a load); anything else is refused with the
-path to it. Every container is tagged (`{"dict": [[k, v], ...]}`, `{"list": [...]}`,
+None, bytes and dense torch tensors of safetensors' dtypes (on the CPU after a load; a dict
+or list subclass comes back as a dict or list); anything else (a namedtuple too, whose
+field names would be lost) is refused with the path to it. Every container is tagged (`{"dict": [[k, v], ...]}`, `{"list": [...]}`,
 `{"tuple": [...]}`), so that tuples, non-string keys and keys that look like tags come back
 as they were."""
 
@@ -28,6 +29,8 @@ import torch
 from snake.errors import DataError, SnakeError
 
 _TAGS = ("dict", "list", "tuple", "tensor", "bytes", "float")
+_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+           torch.float32, torch.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +79,21 @@ def _encode(x: Any, path: str, tensors: dict[str, torch.Tensor], seen: set[int],
     if isinstance(x, bytes):
         return {"bytes": x.hex()}
     if isinstance(x, torch.Tensor):
+        if x.layout is not torch.strided or x.dtype not in _DTYPES:
+            raise DataError(
+                f"{what} returned a state that holds a {x.layout} tensor of {x.dtype} at {path}; a checkpoint stores "
+                f"dense tensors of {', '.join(str(d).removeprefix('torch.') for d in _DTYPES)} (safetensors): convert "
+                "it in state_dict() and back in load_state_dict()"
+            )
         key = f"t{len(tensors)}"
         tensors[key] = x.detach().to("cpu", copy=True).contiguous()
         return {"tensor": key}
+    if isinstance(x, tuple) and type(x) is not tuple:  # a namedtuple: its fields would come back nameless
+        raise DataError(
+            f"{what} returned a state that holds a {type(x).__qualname__} (a tuple subclass) at {path}; a checkpoint "
+            "stores plain tuples, and this one would come back without its field names: return x._asdict() or "
+            "tuple(x)"
+        )
     if isinstance(x, dict | list | tuple):
         if id(x) in seen:
             raise DataError(f"{what} returned a state that holds itself at {path}: a checkpoint stores a tree")

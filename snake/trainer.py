@@ -32,7 +32,15 @@ from snake.adapters import (
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
-from snake.data import DataSource, Vocab, check_async_draws, next_raised, pair_of, split_batch
+from snake.data import (
+    DataSource,
+    Vocab,
+    batch_spec,
+    check_async_draws,
+    next_raised,
+    pair_of,
+    split_batch,
+)
 from snake.device import device_memory_bytes, helper_thread_init, on_device, resolve_device
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, release_frames
@@ -145,6 +153,10 @@ class SnakeTrainer:
         self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
         self._loop: asyncio.AbstractEventLoop | None = None  # the first run()'s: the engine's queues belong to it
         self._vocab = Vocab()  # measured when the engine is built (_ckpt_shape)
+        # the first batch's shapes and dtypes (`batch_spec`: a checkpoint records them), and
+        # a batch of them a load() builds the engine from where the data has none left
+        self._batch_spec: dict[str, Any] | None = None
+        self._stand_in: tuple[torch.Tensor, torch.Tensor] | None = None
 
     async def __aenter__(self) -> SnakeTrainer:
         return self
@@ -611,7 +623,15 @@ class SnakeTrainer:
         self._data_ex = ThreadPoolExecutor(
             1, thread_name_prefix="snake-data", initializer=helper_thread_init(self.device)
         )
-        first = await self.source.peek(self._data_ex, "its first batch")  # nothing built: run() can be tried again
+        try:
+            first = await self.source.peek(self._data_ex, "its first batch")  # nothing built: run() can be tried again
+        except DataExhausted:
+            if self._stand_in is None:
+                raise
+            # load(): the data ends where the checkpoint's run did (one trained to its end):
+            # the engine is sized from the batch shapes the checkpoint records, and trains on
+            # the data of a later run(data=...)
+            first = self._stand_in
         planned = (cfg.micro_batches is None or cfg.placement is None or cfg.alpha is None
                    or cfg.resident_optimizer is None)
         if planned:
@@ -622,6 +642,7 @@ class SnakeTrainer:
         # alive for the whole run and, on a CPU device, slows every compute kernel (see
         # snake.device.helper_thread_init).
         h_shape = await run_blocking(self._data_ex, self._ckpt_shape, first, cfg.micro_batches)
+        self._batch_spec = batch_spec(first)
         if not planned:  # a placement the planner checked fits; one the user fixed is checked here
             await run_blocking(self._data_ex, self._check_memory, cfg, first)
         self._lock = DirLock(self.offload_dir)
