@@ -18,16 +18,23 @@ import json
 import logging
 import threading
 import time
-import warnings
 
 import pytest
 import torch
-from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from snake import DataError, DataExhausted, Epochs, Placement, SnakeConfig, SnakeError, SnakeTrainer
+from snake import DataError, DataExhausted, Epochs, Placement, SnakeError, SnakeTrainer
 from snake.data_state import restore, take
 from tests.helpers import batches, tiny_gpt
+from tests.test_data_state import (
+    AsyncCounter,
+    Counter,
+    Rows,
+    _cfg,
+    _manifest,
+    _quiet_loader,
+    _same,
+    _state,
+)
 
 MIXED = Placement(param=0.5, ckpt=0.3, opt=0.6)
 T = 60  # seconds: every awaited trainer call is bounded by this
@@ -36,76 +43,10 @@ T = 60  # seconds: every awaited trainer call is bounded by this
 # -- helpers (as tests/test_data_state.py's) --------------------------------------------------
 
 
-class Rows(Dataset):
-    def __init__(self, n: int = 20) -> None:
-        data = batches(n, 1)
-        self.x = torch.cat([x for x, _ in data])
-        self.y = torch.cat([y for _, y in data])
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
-
-
-class Counter:
-    """A stateful iterable of `data` from position `i` (a fresh generator at each iter())."""
-
-    def __init__(self, data) -> None:
-        self.data, self.i, self.loads = data, 0, []
-
-    def __iter__(self):
-        while self.i < len(self.data):
-            self.i += 1
-            yield self.data[self.i - 1]
-
-    def state_dict(self):
-        return {"i": self.i}
-
-    def load_state_dict(self, state) -> None:
-        self.loads.append(state)
-        self.i = state["i"]
-
-
-class AsyncCounter(Counter):
-    def __aiter__(self):
-        return self._gen()
-
-    async def _gen(self):
-        for item in Counter.__iter__(self):
-            await asyncio.sleep(0)
-            yield item
-
-    __iter__ = None  # type: ignore[assignment]
-
-
-def _quiet_loader(*args, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torchdata's deprecation notice of torch.set_vital
-        return StatefulDataLoader(*args, **kw)
-
-
 def _shuffled(workers: int = 0, persistent: bool = False, n: int = 20):
     """A shuffled StatefulDataLoader over `n` rows, 4 a batch (n // 4 batches an epoch)."""
     return _quiet_loader(Rows(n), batch_size=4, drop_last=True, shuffle=True, num_workers=workers,
                          persistent_workers=persistent, generator=torch.Generator().manual_seed(3))
-
-
-def _cfg(path, **kw) -> SnakeConfig:
-    return SnakeConfig(offload_dir=path, device="cpu", micro_batches=2, **{"alpha": 0.3, "placement": MIXED, **kw})
-
-
-async def _state(t: SnakeTrainer) -> dict:
-    return await asyncio.wait_for(t.state_dict(), T)
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _manifest(path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
 
 
 async def _straight(tmp, model, data, steps: int) -> dict:
@@ -162,22 +103,27 @@ async def test_1_new_stateful_data_given_to_run_resumes_in_the_new_data(tmp_path
 @pytest.mark.parametrize("is_async", [False, True])
 @pytest.mark.parametrize("stop_after", [0, 1, 3])
 async def test_2_stopped_at_any_step_saved_loaded_and_finished_is_one_run(tmp_path, is_async, stop_after):
-    data = batches(10, 4)
-    kind = AsyncCounter if is_async else Counter
+    await _stop_save_resume(tmp_path, AsyncCounter if is_async else Counter, 10, stop_after)
+
+
+async def _stop_save_resume(tmp_path, kind, steps: int, stop_after: int) -> None:
+    """`steps` batches in a `kind` source, stopped after step `stop_after`, saved, loaded
+    into a trainer on a fresh `kind` and finished: the checkpoint holds the position of the
+    steps trained, and the end is the weights of one straight run."""
+    data = batches(steps, 4)
     model = tiny_gpt(n_layer=2)
-    straight = await _straight(tmp_path / "s", model, kind(data), 10)
-    source = kind(data)
-    async with SnakeTrainer(model, data=source, config=_cfg(tmp_path / "a")) as t:
-        report = await asyncio.wait_for(t.run(10, on_step=_stopper(t, stop_after)), T)
+    straight = await _straight(tmp_path / "s", model, list(data), steps)
+    async with SnakeTrainer(model, data=kind(data), config=_cfg(tmp_path / "a")) as t:
+        report = await asyncio.wait_for(t.run(steps, on_step=_stopper(t, stop_after)), T)
         done = len(report.steps)
-        assert report.stopped and 1 <= done < 10, (done, report.stopped)
+        assert report.stopped and 1 <= done < steps, (done, report.stopped)
         await asyncio.wait_for(t.save(tmp_path / "ck"), T)
     assert _manifest(tmp_path / "ck")["data_state"] == {"dict": [["i", done]]}
     again = kind(data)
     async with SnakeTrainer(model, data=again, config=_cfg(tmp_path / "b")) as t:
         await asyncio.wait_for(t.load(tmp_path / "ck"), T)
         assert again.loads == [{"i": done}]
-        await asyncio.wait_for(t.run(10 - done), T)
+        await asyncio.wait_for(t.run(steps - done), T)
         assert _same(await _state(t), straight)
 
 
@@ -226,20 +172,7 @@ class AsyncSelfIter(SelfIter):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", [SelfIter, AsyncSelfIter])
 async def test_3_an_iterator_that_is_its_own_iterator_resumes(tmp_path, kind):
-    data = batches(9, 4)
-    model = tiny_gpt(n_layer=2)
-    straight = await _straight(tmp_path / "s", model, list(data), 9)
-    async with SnakeTrainer(model, data=kind(data), config=_cfg(tmp_path / "a")) as t:
-        report = await asyncio.wait_for(t.run(9, on_step=_stopper(t, 2)), T)
-        done = len(report.steps)
-        await asyncio.wait_for(t.save(tmp_path / "ck"), T)
-    assert _manifest(tmp_path / "ck")["data_state"] == {"dict": [["i", done]]}
-    again = kind(data)
-    async with SnakeTrainer(model, data=again, config=_cfg(tmp_path / "b")) as t:
-        await asyncio.wait_for(t.load(tmp_path / "ck"), T)
-        assert again.loads == [{"i": done}]
-        await asyncio.wait_for(t.run(9 - done), T)
-        assert _same(await _state(t), straight)
+    await _stop_save_resume(tmp_path, kind, 9, 2)
 
 
 # -- 4. a state_dict() that returns its live, mutating dict ------------------------------------------
@@ -414,15 +347,28 @@ class BlockingLoad(Counter):
         super().load_state_dict(state)
 
 
-@pytest.mark.asyncio
-async def test_8_a_cancelled_load_does_not_wait_for_a_blocked_load_state_dict(tmp_path):
-    """A cancelled load() does not wait for the data's load_state_dict on the event loop (its
-    thread was joined there: the whole loop stopped until load_state_dict returned)."""
+async def _checkpoint_after_two_steps(tmp_path):
+    """(data, model) and tmp_path/ck: a checkpoint of 2 steps of Counter(data)."""
     data = batches(6, 4)
     model = tiny_gpt(n_layer=2)
     async with SnakeTrainer(model, data=Counter(data), config=_cfg(tmp_path / "a")) as t:
         await asyncio.wait_for(t.run(2), T)
         await asyncio.wait_for(t.save(tmp_path / "ck"), T)
+    return data, model
+
+
+async def _no_snake_threads_left() -> None:
+    deadline = time.monotonic() + 10
+    while any(th.name.startswith("snake-") for th in threading.enumerate()) and time.monotonic() < deadline:  # noqa: ASYNC110 - threads signal nothing here
+        await asyncio.sleep(0.01)
+    assert not [th.name for th in threading.enumerate() if th.name.startswith("snake-")]
+
+
+@pytest.mark.asyncio
+async def test_8_a_cancelled_load_does_not_wait_for_a_blocked_load_state_dict(tmp_path):
+    """A cancelled load() does not wait for the data's load_state_dict on the event loop (its
+    thread was joined there: the whole loop stopped until load_state_dict returned)."""
+    data, model = await _checkpoint_after_two_steps(tmp_path)
     src = BlockingLoad(data, block_s=4.0)
     t = SnakeTrainer(model, data=src, config=_cfg(tmp_path / "b"))
     try:
@@ -453,21 +399,14 @@ async def test_8_a_cancelled_load_does_not_wait_for_a_blocked_load_state_dict(tm
     finally:
         src.release.set()
         await asyncio.wait_for(t.close(), T)
-    deadline = time.monotonic() + 10
-    while any(th.name.startswith("snake-") for th in threading.enumerate()) and time.monotonic() < deadline:  # noqa: ASYNC110 - threads signal nothing here
-        await asyncio.sleep(0.01)
-    assert not [th.name for th in threading.enumerate() if th.name.startswith("snake-")]
+    await _no_snake_threads_left()
 
 
 @pytest.mark.asyncio
 async def test_8b_a_cancelled_load_after_load_state_dict_returns_closes_cleanly(tmp_path):
     """The same, with load_state_dict released right after the cancellation: closed, no
     thread left."""
-    data = batches(6, 4)
-    model = tiny_gpt(n_layer=2)
-    async with SnakeTrainer(model, data=Counter(data), config=_cfg(tmp_path / "a")) as t:
-        await asyncio.wait_for(t.run(2), T)
-        await asyncio.wait_for(t.save(tmp_path / "ck"), T)
+    data, model = await _checkpoint_after_two_steps(tmp_path)
     src = BlockingLoad(data, block_s=0.5)
     t = SnakeTrainer(model, data=src, config=_cfg(tmp_path / "b"))
     task = asyncio.ensure_future(t.load(tmp_path / "ck"))
@@ -477,10 +416,7 @@ async def test_8b_a_cancelled_load_after_load_state_dict_returns_closes_cleanly(
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, T)
     await asyncio.wait_for(t.close(), T)
-    deadline = time.monotonic() + 10
-    while any(th.name.startswith("snake-") for th in threading.enumerate()) and time.monotonic() < deadline:  # noqa: ASYNC110 - threads signal nothing here
-        await asyncio.sleep(0.01)
-    assert not [th.name for th in threading.enumerate() if th.name.startswith("snake-")]
+    await _no_snake_threads_left()
 
 
 # -- 9. evaluate() beside stateful training data ------------------------------------------------------
