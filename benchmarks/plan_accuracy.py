@@ -59,7 +59,7 @@ def main() -> None:
         f.unlink()  # measure afresh each run
     shape1 = shape_of(cfg, 1, T, "float32")
     budget = int(host_memory(shape1, n_micro=B, alpha=0.0, schedule="vertical", workers=2).at(1, 1, 0.3)
-                 + (device_memory(shape1, n_micro=B) if device == "cpu" else 0)  # a CPU device's working set
+                 + (device_memory(shape1, n_micro=B, device_type="cpu") if device == "cpu" else 0)  # a CPU device's working set
                  + RUNTIME_OVERHEAD_BYTES)
     settings = {
         "io_bound": dict(ssd_bandwidth_bytes_per_s=75e6, cpu_memory_bytes=budget),

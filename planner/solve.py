@@ -126,7 +126,7 @@ def off_budget(profile: MachineProfile, n_micro: int) -> float:
 
 def host_budget(profile: MachineProfile, n_micro: int) -> tuple[float, float]:
     """(host bytes the placement may use, device bytes): the CPU budget less `off_budget`."""
-    dev = device_memory(profile.shape, n_micro=n_micro)
+    dev = device_memory(profile.shape, n_micro=n_micro, device_type=profile.device)
     return profile.cpu_memory_bytes - off_budget(profile, n_micro), dev
 
 

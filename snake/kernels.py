@@ -212,8 +212,11 @@ class Kernels:
         # kind's gradients take their first elements)
         self.layer_params = max(self.kind_params)
         # the size of the device slots every layer passes through: its trained parameters,
-        # then its streamed frozen ones
-        self.slot_params = max(p + f for p, f in zip(self.kind_params, self.kind_frozen, strict=True))
+        # then its streamed frozen ones; on a CPU device the frozen ones are used where they
+        # are (`frozen_views`), so the slots hold the trained ones only (but in the planner's
+        # probes, whose slots hold everything)
+        in_place = device.type == "cpu" and frozen_copies
+        self.slot_params = max(p + (0 if in_place else f) for p, f in zip(self.kind_params, self.kind_frozen, strict=True))
         # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
         model = parts.model
         # training mode for pre/post (dropout) while the engine lives; the user's modes come

@@ -293,8 +293,9 @@ RUNTIME_OVERHEAD_BYTES = 160 * 2**20
 HEAD_FP32_BYTES_PER_LOGIT = 12
 
 
-def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSizes()) -> float:
-    """Device bytes: parameter slots, one fp32 gradient accumulator, resident pre/post with
+def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSizes(), device_type: str = "cuda") -> float:
+    """Device bytes: parameter slots (on a CPU device of the trained parameters alone: the
+    streamed frozen ones are used where they are), one fp32 gradient accumulator, resident pre/post with
     fp32 gradients, the frozen parameters (those kept in fp32 at 4 bytes), and the working set of one micro-batch's compute:
     - a few micro-batches' block inputs and the block's internals (~ 16 x the block input
       for a GPT block during recompute + backward);
@@ -309,7 +310,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
     p, c, db = shape.largest, shape.ckpt_elems, shape.dtype_bytes
     head = shape.tokens_per_micro * shape.vocab_size * (db + HEAD_FP32_BYTES_PER_LOGIT)
     return float(
-        pools.device_param_slots * shape.slot * db
+        pools.device_param_slots * (shape.largest if device_type == "cpu" else shape.slot) * db
         + 2 * p * 4
         + shape.resident_params * (db + 4)
         + shape.frozen_params * db
@@ -324,7 +325,7 @@ def device_memory(shape: ModelShape, *, n_micro: int, pools: PoolSizes = PoolSiz
 def off_budget_bytes(shape: ModelShape, *, n_micro: int, device_type: str) -> float:
     """Host bytes beyond the placed data and its buffers (`host_memory`): the runtime's
     overhead and, on a CPU device, the device's working set, which is host memory there."""
-    dev = device_memory(shape, n_micro=n_micro) if device_type == "cpu" else 0.0
+    dev = device_memory(shape, n_micro=n_micro, device_type="cpu") if device_type == "cpu" else 0.0
     return dev + RUNTIME_OVERHEAD_BYTES
 
 

@@ -65,7 +65,7 @@ async def main() -> None:
         m = args.micro_batches
         shape = shape_of(cfg, args.batch // m, args.seq, "float32")
         mem = host_memory(shape, n_micro=m, alpha=0.0, schedule=args.schedule, workers=2)
-        budget = int(mem.at(1.0, 1.0, args.opt_share) + device_memory(shape, n_micro=m) + RUNTIME_OVERHEAD_BYTES)
+        budget = int(mem.at(1.0, 1.0, args.opt_share) + device_memory(shape, n_micro=m, device_type="cpu") + RUNTIME_OVERHEAD_BYTES)
         config = SnakeConfig(offload_dir=d, device="cpu", micro_batches=args.micro_batches, alpha=0.0,
                              placement=None, schedule=args.schedule, cpu_memory_bytes=budget)
         if args.fixed:  # the memory model's bytes for it, next to what the process takes
