@@ -100,7 +100,7 @@ from snake.config import DynamicLossScale, Placement, SnakeConfig
 from snake.data import spec_error, stand_in_batch
 from snake.data_state import Snapshot, check_tree
 from snake.device import synchronize
-from snake.errors import ConfigError, DataError, SnakeError, Stopped, StorageError
+from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, StorageError
 from snake.lr import describe
 from snake.memory import fmt_size
 
@@ -274,7 +274,14 @@ async def _restore(
     if not skip_data:  # the data starts after the checkpoint's batches: its own state is not that position
         trainer.source.skipped = consumed
     trainer.source.consumed = consumed
-    await trainer._setup()
+    try:
+        await trainer._setup()
+    except DataExhausted as exc:  # only without the manifest's `batch` (a checkpoint before round 42)
+        raise DataExhausted(
+            f"load: the data has no batch after the checkpoint's {consumed}, and the checkpoint records no batch "
+            "shapes to size the trainer from (it was saved before snake recorded them): give data with a batch "
+            "after them, or load(dir, skip_data=False) with the data to go on with"
+        ) from exc
     trainer._stand_in = None
     check_resolved(trainer.config, manifest)
     e = trainer.engine

@@ -210,7 +210,7 @@ class DataSource:
             if isinstance(got, _Interrupt):
                 raise got.exc  # here, in the data actor's task, which carries it to run()
             item, snap = got
-            self._taken += 1
+            self._taken += item is not _END  # (the end is no item: left() stays 0 after it)
             if isinstance(snap, DataError):  # its state_dict() failed: the item comes next time
                 self._peeked.append((item, None))
                 raise snap

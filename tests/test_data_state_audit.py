@@ -487,13 +487,26 @@ async def test_10b_a_checkpoint_at_the_end_of_finite_data_loads(tmp_path, kind):
     def data():
         return Epochs(_shuffled(), 1) if kind == "stateful" else batches(5, 4)
 
+    more = batches(1, 4, seed=8)
     async with SnakeTrainer(model, data=data(), config=_cfg(tmp_path / "a")) as t:
         await asyncio.wait_for(t.run(5), T)
         await asyncio.wait_for(t.save(tmp_path / "ck"), T)
+        await asyncio.wait_for(t.run(1, data=list(more)), T)
+        straight = await _state(t)
+    assert _manifest(tmp_path / "ck")["batch"] == {"inputs": {"shape": [4, 16], "dtype": "int64"},
+                                                   "targets": {"shape": [4, 16], "dtype": "int64"}}
     async with SnakeTrainer(model, data=data(), config=_cfg(tmp_path / "b")) as t:
         await asyncio.wait_for(t.load(tmp_path / "ck"), T)
         await asyncio.wait_for(t.evaluate(batches(2, 4, seed=9)), T)
-        await asyncio.wait_for(t.run(1, data=batches(1, 4, seed=8)), T)
+        with pytest.raises(DataError, match="has 0 left|ran out after 5"):  # nothing left: no step, on no stand-in
+            await asyncio.wait_for(t.run(1), T)
+        await asyncio.wait_for(t.run(1, data=list(more)), T)
+        assert _same(await _state(t), straight)
+    # a checkpoint without the record (saved before round 42): the load says why it cannot
+    _rewrite(tmp_path / "ck", lambda m: m.pop("batch"))
+    async with SnakeTrainer(model, data=data(), config=_cfg(tmp_path / "c")) as t:
+        with pytest.raises(DataExhausted, match="records no batch shapes.*skip_data=False"):
+            await asyncio.wait_for(t.load(tmp_path / "ck"), T)
 
 
 # -- 11. tampered checkpoints -------------------------------------------------------------------------
