@@ -21,7 +21,7 @@ def _bench_path(monkeypatch):
     "name", ["common", "throughput", "delay_and_ssd", "storage", "overheads", "plan_accuracy", "report", "kernels", "cpu_parity",
              "budget_tradeoff", "contention", "huge_pages", "stage_overlap", "block_call_ab", "train_ab", "kinds", "ab",
              "stream_memory", "resident_ssd", "evaluate", "clip", "frozen_bottom", "lora", "memory_limit",
-             "frozen_from_disk", "data_rng", "data_gate", "data_state"]
+             "frozen_from_disk", "data_rng", "data_gate", "data_state", "stop_latency"]
 )
 def test_imports(name):
     sys.modules.pop(name, None)
