@@ -93,11 +93,11 @@ from snake.adapters import (
     layer_values,
     resident_named_params,
 )
+from snake.batch_spec import spec_error, stand_in_batch
 from snake.blocking import name_native_thread, run_blocking
 from snake.buffers import HostBuffer, alloc_host
 from snake.clip import json_float
 from snake.config import DynamicLossScale, Placement, SnakeConfig
-from snake.data import spec_error, stand_in_batch
 from snake.data_state import Snapshot, check_tree
 from snake.device import synchronize
 from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, Stopped, StorageError

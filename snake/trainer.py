@@ -29,13 +29,13 @@ from snake.adapters import (
     real_param,
     vocab_size,
 )
+from snake.batch_spec import batch_spec
 from snake.blocking import run_blocking, settle
 from snake.buffers import HostBuffer
 from snake.config import SnakeConfig
 from snake.data import (
     DataSource,
     Vocab,
-    batch_spec,
     check_async_draws,
     next_raised,
     pair_of,
