@@ -418,3 +418,20 @@ async def test_a_number_of_epochs_says_its_length(tmp_path):
             await asyncio.wait_for(t.run(7), 60)
         report = await asyncio.wait_for(t.run(), 60)
         assert len(report.steps) == 6
+
+
+def test_the_batch_record_gives_back_the_shapes_and_names_what_it_cannot_hold():
+    """A checkpoint records its batches' shapes and dtypes; a load whose data has no batch
+    left sizes the trainer from a batch of zeros of them. A dtype it does not name is not
+    recorded (a load would refuse it as damage); a damaged record is named."""
+    from snake.batch_spec import batch_spec, spec_error, stand_in_batch
+
+    x, y = torch.ones(4, 16, dtype=torch.int32), torch.ones(4, 16, dtype=torch.int64)
+    spec = batch_spec((x, y))
+    assert spec == {"inputs": {"shape": [4, 16], "dtype": "int32"}, "targets": {"shape": [4, 16], "dtype": "int64"}}
+    ins, tgs = stand_in_batch(spec)
+    assert (ins.shape, ins.dtype, tgs.dtype, int(ins.abs().sum())) == (x.shape, torch.int32, torch.int64, 0)
+    assert batch_spec((x.to(torch.uint16), y)) is None
+    assert "inputs.shape" in spec_error({"inputs": {"shape": [0, 16], "dtype": "int64"}, "targets": spec["targets"]})
+    assert "targets.dtype" in spec_error({"inputs": spec["inputs"], "targets": {"shape": [4], "dtype": "complex64"}})
+    assert "mapping of inputs and targets" in spec_error({"inputs": spec["inputs"]})
