@@ -391,8 +391,9 @@ def test_epochs_reshuffles_each_epoch_from_its_seed_and_calls_set_epoch():
 def test_epochs_of_a_stateful_loader_resume_at_every_point(workers, how):
     """The state after each batch, loaded into a new Epochs over a new loader, gives the
     batches of the uninterrupted stream from there on: mid-epoch, at an epoch's last batch
-    and into the next epochs. (Without the reseeding, torchdata 0.11's own restore gave
-    another order after the epoch's end, without workers and with a generator.)"""
+    and into the next epochs. (In a plain epoch loop, without the reseeding, torchdata
+    0.11's restore gave the later epochs in another order with the loader's generator and
+    no workers, and with a sampler's generator, workers or not.)"""
     rows = Rows(20)  # 5 batches an epoch
     first = Epochs(_shuffled(rows, workers, how))
     it = iter(first)
