@@ -392,8 +392,8 @@ def test_epochs_of_a_stateful_loader_resume_at_every_point(workers, how):
     """The state after each batch, loaded into a new Epochs over a new loader, gives the
     batches of the uninterrupted stream from there on: mid-epoch, at an epoch's last batch
     and into the next epochs. (In a plain epoch loop, without the reseeding, torchdata
-    0.11's restore gave the later epochs in another order with the loader's generator and
-    no workers, and with a sampler's generator, workers or not.)"""
+    0.11's restore gave another order after the resumed epoch with the loader's generator
+    and no workers, and from a resume in the second epoch with a sampler's generator.)"""
     rows = Rows(20)  # 5 batches an epoch
     first = Epochs(_shuffled(rows, workers, how))
     it = iter(first)
