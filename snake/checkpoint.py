@@ -237,7 +237,13 @@ async def load_checkpoint(
         trainer.config = fill_config(trainer.config, manifest)
         # where the data has no batch after the checkpoint's (a run trained to its end), the
         # engine is sized from the batch shapes the checkpoint records
-        trainer._stand_in = stand_in_batch(manifest["batch"]) if "batch" in manifest else None
+        trainer._stand_in = None
+        if "batch" in manifest:
+            why = spec_error(manifest["batch"], trainer.config.micro_batches)
+            if why is not None:
+                raise SnakeError(f"load: {target / MANIFEST} has batch={manifest['batch']!r}, which {why}: the "
+                                 "manifest is damaged")
+            trainer._stand_in = stand_in_batch(manifest["batch"])
         # from here on the trainer's data and engine change: a failure leaves it unusable
         try:
             await _restore(trainer, target, manifest, skip_data, snap)
@@ -279,8 +285,8 @@ async def _restore(
     except DataExhausted as exc:  # only without the manifest's `batch` (a checkpoint before round 42)
         raise DataExhausted(
             f"load: the data has no batch after the checkpoint's {consumed}, and the checkpoint records no batch "
-            "shapes to size the trainer from (it was saved before snake recorded them): give data with a batch "
-            "after them, or load(dir, skip_data=False) with the data to go on with"
+            "shapes to size the trainer from (it was saved before its trainer's first run, or by a snake before "
+            "round 42): give data with a batch after them, or load(dir, skip_data=False) with the data to go on with"
         ) from exc
     trainer._stand_in = None
     check_resolved(trainer.config, manifest)

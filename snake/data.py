@@ -332,15 +332,17 @@ class DataSource:
 
     def check_enough(self, steps: int) -> None:
         """DataError, before a run(steps) trains, where the data says it has fewer batches
-        (else the run would train that far and stop there, short of what was asked), or
+        (else the run would train that far and stop there, short of what was asked; a
+        DataExhausted where it has none left), or
         where the run would reach a DataLoader's last batch, which is short (snake keeps a
         batch's shape fixed: that batch would fail the run at the end of the epoch)."""
         left = self.left()
         if left is None:
             return
         if left < steps:
-            raise DataError(
-                f"data: run({steps}) needs {steps} more global batches but the data has {left} left; "
+            # none left: the data's end, as where a run finds it (DataExhausted); some: too short
+            raise (DataExhausted if left <= 0 else DataError)(
+                f"data: run({steps}) needs {steps} more global batches but the data has {max(left, 0)} left; "
                 f"give more batches (or an endless iterator{_EPOCHS}) or run fewer steps"
             )
         if self._short_last is not None and left == steps and self._len is not None and self._len > 1:

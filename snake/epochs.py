@@ -20,9 +20,13 @@ class Epochs:
     Each epoch's shuffle depends only on `seed` and the epoch, as DistributedSampler's
     does: before each pass over the loader, the generators that shuffle it (the loader's
     `generator=`, its sampler's and its batch sampler's sampler's) are seeded with
-    `seed + epoch` (`seed`: default, the loader's generator's, else its sampler's, as
-    given; where none has a generator, nothing is seeded), and a sampler's
-    `set_epoch(epoch)` is called where it has one (DistributedSampler). An epoch in which
+    `seed + epoch` (modulo 2**64; `seed`: default, the loader's generator's, else its
+    sampler's, as given; where none has a `generator`, nothing is seeded and `seed` is
+    None: a seed given then is refused), and a sampler's `set_epoch(epoch)` is called where
+    it has one (DistributedSampler). Not promised: the order of a resume over a sampler of
+    your own whose generator has another name (nothing reseeds it), or whose `__iter__`
+    draws its permutation as it is called rather than as a generator function
+    (torchdata 0.11's restore calls it twice). An epoch in which
     the loader gives no batch is a DataError (an empty loader would loop for ever), as is
     a DataLoader whose epochs end with a short batch (drop_last=False), at once.
 
@@ -44,6 +48,9 @@ class Epochs:
         return super().__new__(cls)
 
     def __init__(self, loader: Any, epochs: int | None = None, *, seed: int | None = None) -> None:
+        if isinstance(loader, Epochs):
+            raise DataError("Epochs(loader): the loader is an Epochs already (its epochs would run out after the first "
+                            "pass): give the loader itself, Epochs(loader, n * m)")
         if not hasattr(loader, "__iter__") or hasattr(loader, "__next__"):
             raise DataError(
                 f"Epochs(loader): expected a loader that gives a new pass over its data at each iter() (a "
@@ -51,8 +58,9 @@ class Epochs:
             )
         if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
             raise ConfigError("Epochs(epochs=...)", epochs, "must be an integer >= 1, or None: without end")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ConfigError("Epochs(seed=...)", seed, "must be an integer >= 0, or None: the loader's generator's")
+        if seed is not None and not _is_seed(seed):
+            raise ConfigError("Epochs(seed=...)", seed, "must be an integer in [0, 2**64), or None: the loader's "
+                              "generator's")
         short = _short_last_batch(loader)
         if short is not None:
             rows, size = short
@@ -65,6 +73,13 @@ class Epochs:
         self.epochs = epochs
         self.epoch = 0  # the epoch being read
         self._generators = _shufflers(loader)
+        if seed is not None and not self._generators:
+            raise ConfigError(
+                "Epochs(seed=...)", seed,
+                "has no generator to seed: the loader shuffles with none Epochs finds (the loader's `generator=`, "
+                "its sampler's or its batch sampler's sampler's `.generator`)",
+                "give the loader (or your sampler) a torch.Generator as `generator`, or leave seed out",
+            )
         self.seed = seed if seed is not None or not self._generators else self._generators[0].initial_seed()
         self._resumed = False  # a load_state_dict came: the next pass finishes its epoch, and may give nothing
 
@@ -84,7 +99,7 @@ class Epochs:
     def _start_epoch(self) -> None:
         if self.seed is not None:
             for g in self._generators:
-                g.manual_seed(self.seed + self.epoch)
+                g.manual_seed((self.seed + self.epoch) % 2**64)  # torch's seeds are 64-bit
         for s in _samplers(self.loader):
             if callable(getattr(s, "set_epoch", None)):
                 s.set_epoch(self.epoch)
@@ -98,18 +113,30 @@ class StatefulEpochs(Epochs):
         return {"epoch": self.epoch, "seed": self.seed, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not (isinstance(state, dict) and isinstance(state.get("epoch"), int) and "loader" in state
-                and (state.get("seed") is None or isinstance(state["seed"], int))):
-            raise DataError("Epochs.load_state_dict: expected {'epoch': int, 'seed': int or None, 'loader': the "
-                            f"loader's state}}, got {type(state).__name__} "
-                            f"{sorted(map(str, state)) if isinstance(state, dict) else ''}")
-        self.epoch = state["epoch"]
+        """The epoch, seed and the loader's state of `state_dict()`; DataError (and nothing
+        changed) where `state` is not one, or the loader refuses its part. The next pass
+        seeds the epoch's generators as that run did, before the loader's restore draws."""
+        epoch = state.get("epoch") if isinstance(state, dict) else None
+        seed = state.get("seed") if isinstance(state, dict) else None
+        if not (isinstance(state, dict) and "loader" in state and isinstance(epoch, int) and not isinstance(epoch, bool)
+                and epoch >= 0 and (seed is None or _is_seed(seed))):
+            shown = repr(state) if len(repr(state)) < 200 else type(state).__name__
+            raise DataError("Epochs.load_state_dict: expected {'epoch': an integer >= 0, 'seed': an integer in "
+                            f"[0, 2**64) or None, 'loader': the loader's state}}, got {shown}")
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except Exception as exc:
+            line = next(iter(str(exc).splitlines()), "")
+            raise DataError(f"Epochs.load_state_dict: the loader's load_state_dict raised {type(exc).__name__}: "
+                            f"{line}") from exc
         # the seed the state's run shuffled with (a sampler that seeds itself from torch's
         # global generator has another one in each process)
-        self.seed = state.get("seed")
-        self._start_epoch()  # the seeds the epoch began with: the loader's restore draws from them as it did
-        self.loader.load_state_dict(state["loader"])
+        self.epoch, self.seed = epoch, seed
         self._resumed = True
+
+
+def _is_seed(seed: object) -> bool:
+    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64
 
 
 def _short_last_batch(loader: Any) -> tuple[int, int] | None:

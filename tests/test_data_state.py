@@ -423,8 +423,10 @@ async def test_a_number_of_epochs_says_its_length(tmp_path):
 
 def test_the_batch_record_gives_back_the_shapes_and_names_what_it_cannot_hold():
     """A checkpoint records its batches' shapes and dtypes; a load whose data has no batch
-    left sizes the trainer from a batch of zeros of them. A dtype it does not name is not
-    recorded (a load would refuse it as damage); a damaged record is named."""
+    left sizes the trainer from a batch of zeros of them. What no run trains on is not
+    recorded (a load would refuse it as damage); a damaged record is named: one a run could
+    not have written is refused before the load changes the trainer (an audit's find: float
+    inputs, shapes that differ, rows micro_batches does not divide, a size past any batch)."""
     from snake.batch_spec import batch_spec, spec_error, stand_in_batch
 
     x, y = torch.ones(4, 16, dtype=torch.int32), torch.ones(4, 16, dtype=torch.int64)
@@ -433,6 +435,17 @@ def test_the_batch_record_gives_back_the_shapes_and_names_what_it_cannot_hold():
     ins, tgs = stand_in_batch(spec)
     assert (ins.shape, ins.dtype, tgs.dtype, int(ins.abs().sum())) == (x.shape, torch.int32, torch.int64, 0)
     assert batch_spec((x.to(torch.uint16), y)) is None
-    assert "inputs.shape" in spec_error({"inputs": {"shape": [0, 16], "dtype": "int64"}, "targets": spec["targets"]})
-    assert "targets.dtype" in spec_error({"inputs": spec["inputs"], "targets": {"shape": [4], "dtype": "complex64"}})
-    assert "mapping of inputs and targets" in spec_error({"inputs": spec["inputs"]})
+    assert spec_error(spec, micro_batches=2) is None
+    tg = spec["targets"]
+    for bad, why in [
+        ({"inputs": {"shape": [0, 16], "dtype": "int64"}, "targets": tg}, "inputs.shape"),
+        ({"inputs": {"shape": [4, 16], "dtype": "float32"}, "targets": tg}, "inputs.dtype"),
+        ({"inputs": spec["inputs"], "targets": {"shape": [4, 16], "dtype": "int32"}}, "targets.dtype"),
+        ({"inputs": {"shape": [64], "dtype": "int64"}, "targets": tg}, "[rows, tokens]"),
+        ({"inputs": {"shape": [4, 8], "dtype": "int64"}, "targets": tg}, "one shape"),
+        ({"inputs": {"shape": [2**20, 2**20], "dtype": "int64"}, "targets": {"shape": [2**20, 2**20], "dtype": "int64"}},
+         "elements"),
+        ({"inputs": spec["inputs"]}, "mapping of inputs and targets"),
+    ]:
+        assert why in spec_error(bad), (bad, why)
+    assert "multiple of micro_batches=3" in spec_error(spec, micro_batches=3)
