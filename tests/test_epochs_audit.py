@@ -24,10 +24,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from snake import ConfigError, DataError, DataExhausted, Epochs, SnakeError, SnakeTrainer
-from snake.data import IGNORE_INDEX, _known_length
+from snake.data import _known_length
 from snake.epochs import StatefulEpochs
 from tests.helpers import batches, tiny_gpt
 from tests.test_data_state import Rows, _cfg, _manifest, _quiet_loader, _same, _state
+from tests.test_hf_batches import hf_batches as collator_batches
 
 T = 60  # seconds: every awaited trainer call is bounded by this
 
@@ -95,18 +96,9 @@ def _rewrite(path, edit) -> None:
     (path / "manifest.json").write_text(json.dumps(m))
 
 
-def hf_batches(n: int, rows: int = 4, seq: int = 16, vocab: int = 96, seed: int = 5) -> list[dict[str, torch.Tensor]]:
-    """Hugging Face collator batches (as tests/test_hf_batches.py's), right-padded, for the
-    tiny GPT's vocabulary."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(2, vocab, (rows, seq), generator=g)
-        lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
-        mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-        ids = ids.masked_fill(mask == 0, 0)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)})
-    return out
+def hf_batches(n: int, rows: int = 4, seq: int = 16, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    """test_hf_batches' collator batches, in the tiny GPT's vocabulary."""
+    return collator_batches(n, rows, seq, seed, vocab=96)
 
 
 # -- 1. a user's own sampler ----------------------------------------------------------------------------

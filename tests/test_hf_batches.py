@@ -17,13 +17,13 @@ from snake.data import IGNORE_INDEX, pair_of
 from tests.test_hf import VOCAB, make, snake_config
 
 
-def hf_batches(n: int, rows: int = 4, seq: int = 16, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+def hf_batches(n: int, rows: int = 4, seq: int = 16, seed: int = 5, vocab: int = VOCAB) -> list[dict[str, torch.Tensor]]:
     """`n` global batches of right-padded rows of random lengths, as a collator makes them:
     input_ids (padding id 0), attention_mask, labels (input_ids, -100 at the padding)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(2, VOCAB, (rows, seq), generator=g)
+        ids = torch.randint(2, vocab, (rows, seq), generator=g)
         lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
         mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
         ids = ids.masked_fill(mask == 0, 0)
