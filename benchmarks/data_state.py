@@ -14,7 +14,7 @@ measures, on a small GPT on the CPU device, over a map-style dataset whose rows 
             (its state restored) against the plain one (the batches read and dropped),
             alternating, each in a new trainer.
 
-    python benchmarks/data_state.py [--pairs 3] [--trained 120] [--row-ms 0.5]   # ~2 min on 2 cores
+    python benchmarks/data_state.py [--pairs 3] [--trained 120] [--row-ms 0.5] [--workers 0]   # ~2 min on 2 cores
 
 Writes benchmarks/results/data_state.json and .png (the per-pair load-time ratios).
 """
@@ -54,8 +54,9 @@ class Rows(Dataset):
         return self.x[i, :-1], self.x[i, 1:]
 
 
-def loader(rows: Rows, batch: int, stateful: bool):
-    kw = dict(batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3))
+def loader(rows: Rows, batch: int, stateful: bool, workers: int = 0):
+    kw = dict(batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3),
+              num_workers=workers)
     if not stateful:
         return Epochs(DataLoader(rows, **kw))
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -71,13 +72,13 @@ def config(where: str, m: int) -> SnakeConfig:
 
 
 async def steady(args, cfg, rows, stateful: bool, where: str) -> float:
-    async with SnakeTrainer(make_model(cfg), data=loader(rows, args.batch, stateful), config=config(where, args.m)) as t:
+    async with SnakeTrainer(make_model(cfg), data=loader(rows, args.batch, stateful, args.workers), config=config(where, args.m)) as t:
         rep = await t.run(args.steps + 1)
     return statistics.median(s.seconds for s in rep.steps[1:])
 
 
 async def load_time(args, cfg, rows, stateful: bool, ckpt: str, where: str) -> float:
-    async with SnakeTrainer(make_model(cfg), data=loader(rows, args.batch, stateful), config=config(where, args.m)) as t:
+    async with SnakeTrainer(make_model(cfg), data=loader(rows, args.batch, stateful, args.workers), config=config(where, args.m)) as t:
         t0 = time.perf_counter()
         await t.load(ckpt)
         return time.perf_counter() - t0
@@ -86,7 +87,7 @@ async def load_time(args, cfg, rows, stateful: bool, ckpt: str, where: str) -> f
 async def main_async(args) -> dict:
     cfg = gpt_config(args.layers, args.width, args.seq)
     rows = Rows(args.batch * (args.trained + args.steps + 8), args.seq, cfg.vocab_size, args.row_ms)
-    probe = loader(rows, args.batch, True)
+    probe = loader(rows, args.batch, True, args.workers)
     it = iter(probe)
     next(it)
     snaps = []
@@ -99,7 +100,7 @@ async def main_async(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="snake-datastate-") as tmp:
         # the checkpoints, one per kind (the same weights: same rows, order and seed)
         for kind in ("plain", "stateful"):
-            data = loader(rows, args.batch, kind == "stateful")
+            data = loader(rows, args.batch, kind == "stateful", args.workers)
             async with SnakeTrainer(make_model(cfg), data=data, config=config(f"{tmp}/train-{kind}", args.m)) as t:
                 await t.run(args.trained)
                 await t.save(f"{tmp}/ck-{kind}")
@@ -136,13 +137,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="steps timed per steady run")
     ap.add_argument("--trained", type=int, default=120, help="steps the checkpoint was taken after")
     ap.add_argument("--row-ms", type=float, default=0.5, help="time to get one row")
+    ap.add_argument("--workers", type=int, default=0, help="the loaders' worker processes")
     ap.add_argument("--name", default="data_state")
     args = ap.parse_args()
     for name in ("pairs", "layers", "width", "seq", "batch", "m", "steps", "trained"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.row_ms < 0:
-        raise SystemExit("--row-ms must be >= 0")
+    if args.row_ms < 0 or args.workers < 0:
+        raise SystemExit("--row-ms and --workers must be >= 0")
     result = asyncio.run(main_async(args))
     write_result(args.name, result, "load s, stateful / plain")
 
