@@ -237,7 +237,7 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
         "layer_types": ["indexed_attention", "sliding_attention", "indexed_attention"], "per_layer_config": {},
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "indexed_attention": {"rope_type": "default", "rope_theta": 500000.0}}}),
-    # Mamba layers alone (no attention: snake.hf._mamba_parts)
+    # Mamba layers alone (no attention: snake.hf.parts._mamba_parts)
     "mamba": ("Mamba", "Mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
     "falconmamba": ("FalconMamba", "FalconMamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
     "mamba2": ("Mamba2", "Mamba2", {"state_size": 16, "num_heads": 8, "head_dim": 16, "n_groups": 1, "chunk_size": 8}),
@@ -249,7 +249,7 @@ FAMILY: dict[str, tuple[str, str, dict]] = {
         **MLA, "head_dim": 8, "qk_head_dim": 24, "num_layers": 3, "ffn_hidden_size": 64, "expert_ffn_hidden_size": 32,
         "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2, "routed_scaling_factor": 2.0}),
 }
-# older causal LMs not shaped like Llama (snake.hf._old_parts), by test id: config class,
+# older causal LMs not shaped like Llama (snake.hf.old._old_parts), by test id: config class,
 # model class, tiny config (two Falcon architectures with rotary positions or ALiBi; OPT with
 # and without its projections; GPT-Neo's local layers windowed shorter than the sequence)
 OLD: dict[str, tuple[str, str, dict]] = {

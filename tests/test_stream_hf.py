@@ -245,7 +245,7 @@ def test_parameters_go_to_meta_only_in_the_building_thread_and_only_while_it_bui
 
     from torch import nn
 
-    from snake.hf import _parameters_on_meta
+    from snake.hf.load import _parameters_on_meta
 
     with ThreadPoolExecutor(1) as other:
         with _parameters_on_meta():
