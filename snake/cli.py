@@ -313,7 +313,8 @@ def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
     """Refuse now a --checkpoint path that `trainer.save` would refuse after training (it only
     replaces a snake checkpoint or an empty directory, outside the offload directory), or
     could not write, or that is the --out directory or holds it. Leaves nothing behind."""
-    from snake.checkpoint import MANIFEST, holds
+    from snake.checkpoint_files import holds
+    from snake.manifest import MANIFEST
 
     path = Path(text).expanduser()
     fix = "pick a new or empty directory, or an earlier snake checkpoint to replace"
@@ -459,7 +460,7 @@ async def _train(args: argparse.Namespace, subject: Subject, config: SnakeConfig
 def _checkpoint_step(text: str) -> int | None:
     """The step of the checkpoint in `text` as it is on disk now (a save replaces it whole),
     or None where there is none."""
-    from snake.checkpoint import MANIFEST
+    from snake.manifest import MANIFEST
 
     try:
         return int(json.loads((Path(text).expanduser() / MANIFEST).read_text())["step"])

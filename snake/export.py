@@ -25,7 +25,7 @@ _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "m
 def read_masters(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(manifest, fp32 master weights by parameter name, and the frozen parameters and the
     model's buffers (those in its state_dict) as they are) of a snake checkpoint."""
-    from snake.checkpoint import read_manifest
+    from snake.manifest import read_manifest
 
     d = Path(directory)
     manifest = read_manifest(d, what="export")  # its files' sizes and sha256 too, as load() checks

@@ -218,7 +218,7 @@ def resume_manifest(text: str) -> dict[str, Any]:
     """The manifest of the --resume checkpoint `text`, after checking what can be checked
     without reading its files: that it is there (or where an interrupted save left it), that
     it reads, and that each file it lists is there with its size (load() checks their sha256)."""
-    from snake.checkpoint import MANIFEST
+    from snake.manifest import MANIFEST
 
     path = Path(text).expanduser()
     fix = "pass a directory that --checkpoint wrote"
@@ -268,7 +268,7 @@ def check_resume(args: argparse.Namespace, subject: Subject, config: Any, manife
     rank or targets, config fields a resume keeps (`snake.checkpoint.MATCH_FIELDS`), text
     or windows. load() checks the model and fields too, but once the model is built and
     naming a tensor. Returns a note for the user where something could not be checked."""
-    from snake.checkpoint import MATCH_FIELDS
+    from snake.manifest import MATCH_FIELDS
 
     _check_resume_model(args, manifest.get("model_config") or {})
     for name in MATCH_FIELDS:

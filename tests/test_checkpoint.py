@@ -15,6 +15,8 @@ from safetensors import safe_open
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake.checkpoint as ckpt
+import snake.checkpoint_files as ckpt_files
+import snake.manifest as manifest_mod
 from snake import ConfigError, Placement, SnakeConfig, SnakeError, SnakeTrainer
 from tests.helpers import KindsLM, batches, kinds_parts, reference, tiny_gpt
 
@@ -203,19 +205,19 @@ async def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch
             before = digest(where)
             await t.run(1)
 
-            real = ckpt._rename
+            real = ckpt_files._rename
 
             def crash(src, dst):
                 if ".tmp-" in Path(src).name:  # the final rename of the new checkpoint
                     raise OSError("simulated crash")
                 real(src, dst)
 
-            monkeypatch.setattr(ckpt, "_rename", crash)
+            monkeypatch.setattr(ckpt_files, "_rename", crash)
             with pytest.raises(OSError, match="simulated crash"):
                 await t.save(where)
             assert digest(where) == before
             assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == []
-            monkeypatch.setattr(ckpt, "_rename", real)
+            monkeypatch.setattr(ckpt_files, "_rename", real)
             # the trainer is fine after a failed save; a later save replaces the checkpoint
             await t.save(tmp_path / "ckpt3")
             await t.save(tmp_path / "ckpt3")
@@ -293,7 +295,7 @@ async def test_a_cancelled_load_stops_at_its_next_layer_and_closes_the_trainer(t
             await t.run(2)
             await t.save(where)
             want = await t.state_dict()
-        real, opened = ckpt._TensorFile.__enter__, []
+        real, opened = ckpt_files._TensorFile.__enter__, []
         loop, first = asyncio.get_running_loop(), asyncio.Event()
 
         def slow(self):
@@ -304,7 +306,7 @@ async def test_a_cancelled_load_stops_at_its_next_layer_and_closes_the_trainer(t
 
         t = SnakeTrainer(model(seed=9), data=data, config=config(tmp_path, "b"))
         with monkeypatch.context() as m:
-            m.setattr(ckpt._TensorFile, "__enter__", slow)
+            m.setattr(ckpt_files._TensorFile, "__enter__", slow)
             task = asyncio.create_task(t.load(where))
             await first.wait()
             task.cancel()
@@ -799,8 +801,8 @@ async def test_a_checkpoint_without_its_frozen_parameters_resumes_and_export_ref
     from snake.cli import main
 
     digested = []
-    digest = ckpt._digest
-    monkeypatch.setattr(ckpt, "_digest", lambda t: digested.append(t.shape) or digest(t))
+    digest = manifest_mod._digest
+    monkeypatch.setattr(manifest_mod, "_digest", lambda t: digested.append(t.shape) or digest(t))
 
     async def body():
         data = batches(4, 4)

@@ -201,7 +201,8 @@ def as_before_round_36(ckpt, model) -> None:
     block parameters (in the block's order) rather than its resident ones."""
     from safetensors.torch import load_file
 
-    import snake.checkpoint as ckpt_mod
+    import snake.checkpoint_files as ckpt_files
+    import snake.manifest as ckpt_mod
 
     manifest = json.loads((ckpt / "manifest.json").read_text())
     record = manifest["model"]
@@ -219,9 +220,9 @@ def as_before_round_36(ckpt, model) -> None:
         layer = load_file(str(ckpt / name))
         layer.update({k: resident.pop(k) for k in list(resident) if k.partition("/")[2].startswith(f"{prefix}{i}.")})
         (ckpt / name).unlink()
-        manifest["files"][name] = ckpt_mod._write_tensors(ckpt / name, layer, meta)
+        manifest["files"][name] = ckpt_files._write_tensors(ckpt / name, layer, meta)
     (ckpt / "resident.safetensors").unlink()
-    manifest["files"]["resident.safetensors"] = ckpt_mod._write_tensors(ckpt / "resident.safetensors", resident, meta)
+    manifest["files"]["resident.safetensors"] = ckpt_files._write_tensors(ckpt / "resident.safetensors", resident, meta)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 

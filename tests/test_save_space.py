@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from snake import Placement, SnakeConfig, SnakeTrainer
-from snake.checkpoint import MANIFEST, RNG, checkpoint_bytes
+from snake.checkpoint_files import checkpoint_bytes
 from snake.errors import StorageError
+from snake.manifest import MANIFEST, RNG
 from tests.helpers import batches, tiny_gpt
 
 Usage = namedtuple("Usage", "total used free")
