@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
+import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -37,11 +39,21 @@ class _Interrupt:
     exc: BaseException
 
 
-async def _anext(aiter: AsyncIterator[Any], state_of: Callable[[], Any] | None) -> Any:
-    """(item or _END, its snapshot), or an _Interrupt."""
+async def _anext(aiter: AsyncIterator[Any], state_of: Callable[[], Any] | None, unhooked: bool = False) -> Any:
+    """(item or _END, its snapshot), or an _Interrupt. `unhooked`: an async generator's
+    first iteration, kept from this loop's async-generator hooks (`DataSource.home`)."""
     before = torch.is_inference_mode_enabled()
     try:
-        item = await anext(aiter, _END)
+        if unhooked:
+            hooks = sys.get_asyncgen_hooks()
+            sys.set_asyncgen_hooks(firstiter=None, finalizer=None)
+            try:
+                step = anext(aiter, _END)  # the generator's first __anext__ calls the hook, if any
+            finally:
+                sys.set_asyncgen_hooks(*hooks)
+        else:
+            step = anext(aiter, _END)
+        item = await step
     except (KeyboardInterrupt, SystemExit) as e:
         return _Interrupt(e)
     _check_mode_left(before)
@@ -157,6 +169,13 @@ class DataSource:
             )
         self._peeked: list[tuple[Any, Snapshot | None]] = []  # handed back: (item, its snapshot)
         self._data: Any = data
+        # an async generator is registered with the event loop that first iterates it, which
+        # closes it as that loop ends (asyncio.run): one first read outside the runs' loop (a
+        # load() or evaluate() in an asyncio.run() of its own) is read unhooked there, and
+        # registered with the runs' loop once one starts (`home`)
+        self._home: asyncio.AbstractEventLoop | None = None
+        self._unhooked: AsyncIterator[Any] | None = None  # first iterated unhooked, not registered yet
+        self._read_any = False  # an item asked of the async iterator
         state_of, load_state = getattr(data, "state_dict", None), getattr(data, "load_state_dict", None)
         stateful = callable(state_of) and callable(load_state)
         self._state_of: Callable[[], Any] | None = state_of if stateful else None
@@ -193,7 +212,7 @@ class DataSource:
             if pending is not None and pending.get_loop() is not asyncio.get_running_loop():
                 pending = self._adopt(pending)
             if pending is None and self._aiter is not None:
-                pending = self._pending = asyncio.ensure_future(_anext(self._aiter, self._state_of))
+                pending = self._pending = asyncio.ensure_future(_anext(self._aiter, self._state_of, self._unhook()))
                 pending.add_done_callback(retrieved)  # its error, where no run awaits it any more
             elif pending is None:
                 assert self._iter is not None
@@ -225,6 +244,28 @@ class DataSource:
             for k in [k for k in self._states if k < self.consumed - _KEEP_STATES]:
                 del self._states[k]
         return item
+
+    def home(self) -> None:
+        """This loop is the runs' (the trainer's first `run()` is in it): an async generator
+        read unhooked before (`_unhook`) is registered with it now, so that it is closed as
+        this loop ends, as one first read here would be."""
+        self._home = asyncio.get_running_loop()
+        agen, self._unhooked = self._unhooked, None
+        firstiter = sys.get_asyncgen_hooks().firstiter
+        if agen is not None and firstiter is not None:
+            firstiter(agen)  # type: ignore[arg-type]
+
+    def _unhook(self) -> bool:
+        """Read an async generator's first item unhooked (outside the runs' loop: the loop
+        of a load() or evaluate() before the first run, which may be an asyncio.run() of its
+        own and close it as it ends)?"""
+        if self._read_any:
+            return False
+        self._read_any = True
+        if not inspect.isasyncgen(self._aiter) or self._home is asyncio.get_running_loop():
+            return False
+        self._unhooked = self._aiter
+        return True
 
     def _adopt(self, pending: asyncio.Future[Any]) -> asyncio.Future[Any]:
         """A next() a cancellation left running in another event loop (a first run() timed

@@ -191,6 +191,7 @@ class SnakeTrainer:
                 "call run() from that loop (one asyncio.run() around all of the trainer's calls), "
                 "or save() a checkpoint and load() it into a new trainer in this loop"
             )
+        self.source.home()  # this loop is the runs'
         first = self.engine.next_t if self.engine is not None else 0
         to_the_end = steps is None
         self._begin()
@@ -295,6 +296,7 @@ class SnakeTrainer:
         the trainer's data still running on the data thread (a run cancelled or stopped
         while it waited) is left to end there: the new data gets a thread of its own."""
         new = DataSource(data)
+        new.home()
         if self.engine is None or self._data_ex is None:  # the first run sets up on it
             return new
         if not await self.source.settle(_NEXT_GRACE_S):
