@@ -557,10 +557,15 @@ def resident_tensors(e: Engine | None, parts: ModelParts, frozen: bool = True) -
     # frozen parameters outside the layers, as they are, where stored (a load checks the
     # model's against their digests; `snake export` takes them from here)
     prefix = parts.blocks_prefix + "."
+    said = "the checkpoint holds the model's changed value, which a trainer that loads it computes with"
     for name, p in parts.model.named_parameters():
         if frozen and not p.requires_grad and not name.startswith(prefix):
+            if e is not None:
+                e.kernels.outer_as_computed(name, p, said)
             out[f"frozen/{name}"] = p.detach().to("cpu").contiguous()
     for name, t in state_buffers(parts.model).items():
+        if e is not None:
+            e.kernels.outer_as_computed(name, t, said)
         out[f"buffer/{name}"] = t.detach().to("cpu").contiguous()
     return out
 

@@ -45,18 +45,21 @@ def gpt_to_gpt2(config: dict[str, Any], masters: dict[str, torch.Tensor]) -> tup
     from transformers import GPT2Config
 
     c = config["n_embd"]
+    # the built-in GPT ties its head to the embedding (the checkpoint then holds one of
+    # them); a model whose head was untied holds its own, trained apart
+    head = masters.get("lm_head.weight")
     hf = GPT2Config(
         vocab_size=config["vocab_size"], n_positions=config["block_size"], n_embd=c, n_layer=config["n_layer"],
         n_head=config["n_head"], activation_function="gelu", resid_pdrop=config["dropout"],
         embd_pdrop=config["dropout"], attn_pdrop=config["dropout"], layer_norm_epsilon=1e-5,
-        tie_word_embeddings=True,
+        tie_word_embeddings=head is None,
         # the built-in GPT has no special tokens; GPT2Config's default (50256, GPT-2's
         # <|endoftext|>) is out of range of a smaller vocabulary: transformers warned of
         # "unexpected behavior" on every load, and generate() would never see that token
         bos_token_id=None, eos_token_id=None,
     )
     sd: dict[str, torch.Tensor] = {"transformer.wte.weight": masters["wte.weight"], "transformer.wpe.weight": masters["wpe.weight"]}
-    sd["lm_head.weight"] = masters["wte.weight"]
+    sd["lm_head.weight"] = masters["wte.weight"] if head is None else head
     zeros = {"ln_1.bias": c, "ln_2.bias": c, "attn.c_attn.bias": 3 * c, "attn.c_proj.bias": c, "mlp.c_fc.bias": 4 * c, "mlp.c_proj.bias": c}
     for i in range(config["n_layer"]):
         src, dst = f"blocks.{i}.", f"transformer.h.{i}."
@@ -67,6 +70,15 @@ def gpt_to_gpt2(config: dict[str, Any], masters: dict[str, torch.Tensor]) -> tup
             sd[dst + name] = t.t().contiguous() if name in _TRANSPOSED else t
     sd["transformer.ln_f.weight"] = masters["ln_f.weight"]
     sd["transformer.ln_f.bias"] = masters.get("ln_f.bias", torch.zeros(c))
+    placed = {"wte.weight", "wpe.weight", "lm_head.weight", "ln_f.weight", "ln_f.bias"} | {
+        f"blocks.{i}.{name}" for i in range(config["n_layer"]) for name in ("ln_1.weight", "ln_2.weight", *_TRANSPOSED, *zeros)}
+    left = sorted(set(masters) - placed)
+    if left:  # a model changed after it was built (a head with a bias, a layer added): not GPT-2's shape
+        raise SnakeError(
+            f"export: the checkpoint holds {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}, which the built-in "
+            "GPT exported as GPT-2 has no place for (the model was changed after it was built); load its weights with "
+            "snake.export.read_masters and save them yourself"
+        )
     return hf, sd
 
 

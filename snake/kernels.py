@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Executor, Future
@@ -273,6 +274,7 @@ class Kernels:
         self.res_grad = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for _, p in res]
         self.res_got = [False] * len(res)  # got a gradient this iteration
         self.res_skips = [0] * len(res)  # iterations without a gradient: steps missed
+        self._changed_warned: set[tuple[str, str]] = set()  # `outer_as_computed`'s warnings, once each
         self.res_buffers = {
             "model." + n: b.to(device)
             for n, b in model.named_buffers()
@@ -462,6 +464,24 @@ class Kernels:
     def scale(self) -> float:
         """The loss scale of the iteration in progress (1 but in float16)."""
         return self.scaler.scale if self.scaler is not None else self._static_scale
+
+    def outer_as_computed(self, name: str, live: torch.Tensor, what: str) -> torch.Tensor | None:
+        """The trainer's copy of pre/post's frozen parameter or buffer `name` (as
+        `model.state_dict()` names it) in `live`'s dtype on the CPU, where the model's, `live`,
+        no longer holds what the trainer computes with (changed in place after the trainer
+        was built, which it does not see), with a warning naming it (`what`: what the caller
+        does about it); else None."""
+        copy = self.res_buffers.get("model." + name)
+        if copy is None or torch.equal(live.detach().to(copy.device, copy.dtype), copy):
+            return None
+        if (name, what) not in self._changed_warned:
+            self._changed_warned.add((name, what))
+            warnings.warn(
+                f"snake: the model's {name} was changed in place after the trainer was built; the trainer "
+                f"computes with the value it had then (changes to the model are not seen): {what}",
+                stacklevel=4,
+            )
+        return copy.to("cpu", live.dtype)
 
     def _res_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """pre/post's parameters (`tensors`) and buffers by name, for functional_call."""

@@ -394,9 +394,10 @@ class SnakeTrainer:
             if sd.get(name) is not None and sd[name].is_meta:
                 sd[name] = v
         out = {}
+        trained = _trained_keys(self.parts.model)
         for k, v in sd.items():
             _check_stop(stop)
-            out[k] = v.detach().float().clone() if v.is_floating_point() else v.clone()
+            out[k] = v.detach().float().clone() if k in trained and v.is_floating_point() else _as_given(v)
         return out
 
     def _assemble_state_dict(self, e: Engine, scratch: HostBuffer | None, stop: threading.Event,
@@ -451,8 +452,9 @@ class SnakeTrainer:
                     frozen_read = None
                     frozen_read = (int(i_str), _meta_values(self.parts, int(i_str)))
                 value = frozen_read[1][pname]
-            # buffers and frozen parameters, as they are: fp32 as before the first run
-            out[key] = value.detach().float().clone() if value.is_floating_point() else value.detach().clone()
+            # buffers and frozen parameters, as the trainer computes with them
+            computed = e.kernels.outer_as_computed(alias.get(key, key), value, "state_dict() gives that value")
+            out[key] = _as_given(value if computed is None else computed)
         return out
 
     @_releasing
@@ -892,6 +894,16 @@ def _check_on_step(on_step: object) -> None:
     except TypeError as e:  # else the first step's report would fail the run, closing the trainer
         raise ConfigError("on_step", on_step, f"cannot be called with one StepReport ({e})",
                           "pass a function of one argument, e.g. lambda report: print(report.loss)") from None
+
+
+def _as_given(t: torch.Tensor) -> torch.Tensor:
+    """A buffer's or frozen parameter's copy for `state_dict()`: in float32 where it is a
+    narrower float (as the trained parameters' fp32 masters are), else in its own dtype (a
+    float64 or integer buffer exactly as it is)."""
+    t = t.detach()
+    if t.is_floating_point() and t.element_size() < 4:
+        return t.float()
+    return t.clone()
 
 
 def _trained_keys(model: nn.Module) -> set[str]:
