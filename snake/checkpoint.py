@@ -542,13 +542,13 @@ def resident_tensors(e: Engine | None, parts: ModelParts, frozen: bool = True) -
     out: dict[str, torch.Tensor] = {}
     # the state on SSD: read into a mapping of a scratch file, not into the process's memory
     snap = None
-    if e is not None and e.kernels.res_store is not None:
-        snap = e.kernels.resident_snapshot(e.offload_dir)
+    if e is not None and e.kernels.resident.store is not None:
+        snap = e.kernels.resident.snapshot(e.offload_dir)
     for i, (name, p) in enumerate(resident_named_params(parts)):
         if snap is not None:
             comps = snap[i]
         elif e is not None:
-            comps = e.kernels.resident_components(i)
+            comps = e.kernels.resident.components(i)
         else:
             master = p.detach().to("cpu", torch.float32)
             comps = (master, torch.zeros_like(master), torch.zeros_like(master))
@@ -588,7 +588,7 @@ def state_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _ranges(f: _TensorFile, name: str, shape: torch.Size) -> Callable[[int, int, int], torch.Tensor]:
-    """A resident parameter's state in the checkpoint as `Kernels.set_resident` reads it:
+    """A resident parameter's state in the checkpoint as `ResidentState.set` reads it:
     (component, first, end) -> those elements of its flat master, m or v."""
     def read(c: int, a: int, b: int) -> torch.Tensor:
         return f.take_range(f"{COMPS[c]}/{name}", shape, a, b)
@@ -661,7 +661,7 @@ def apply_checkpoint(
                 if layer not in layer_files:
                     layer_files[layer] = files.enter_context(_TensorFile(target / layer_file(layer)))
                 src = layer_files[layer]
-            k.set_resident(i, _ranges(src, name, p.shape))
+            k.resident.set(i, _ranges(src, name, p.shape))
     synchronize(e.device)
     step = int(manifest["step"])
     e.next_t = step

@@ -120,14 +120,14 @@ def _check_save_space(trainer: SnakeTrainer, target: Path, frozen: bool) -> None
     checkpoint is written whole before it replaces one already at `target` (that one still
     takes its space); a leftover temporary directory of an earlier save is removed first. With
     the resident optimizer state on SSD the save also reads it into a scratch file in the
-    offload_dir (`Kernels.resident_snapshot`), on the same disk or another. Only what
+    offload_dir (`ResidentState.snapshot`), on the same disk or another. Only what
     certainly does not fit is refused: the bytes counted are the tensors', not the headers'."""
     disk = next(p for p in (target, *target.parents) if p.exists())
     # per file system (st_dev): where, and what the save writes there
     needs: dict[int, tuple[Path, list[tuple[str, int]]]] = {
         disk.stat().st_dev: (disk, [("the checkpoint", checkpoint_bytes(trainer.parts, frozen))])}
     e = trainer.engine
-    if e is not None and e.kernels.res_store is not None:
+    if e is not None and e.kernels.resident.store is not None:
         scratch = 3 * 4 * sum(s.numel() for s in e.kernels.res_shapes)
         try:
             offload = e.offload_dir.stat()

@@ -180,10 +180,10 @@ class Engine:
             )
             if self.vertical and any(n_del for _n_now, n_del in self.layer_parts):
                 self.stores["grad"] = self._grad_store(store_kw)
-            if k.res_on_ssd:  # the resident optimizer state: wholly on SSD, in chunks
+            if k.resident.on_ssd:  # the resident optimizer state: wholly on SSD, in chunks
                 self.stores["resident"] = TierStore(
-                    "resident", torch.float32, k.resident_sizes(), cpu_share=0.0, comps=3, **store_kw)
-                k.use_resident_store(self.stores["resident"], pin=self.pin, stop=self.stop)
+                    "resident", torch.float32, k.resident.sizes(), cpu_share=0.0, comps=3, **store_kw)
+                k.resident.use_store(self.stores["resident"], pin=self.pin, stop=self.stop)
         except BaseException:
             self.close_files()
             self.kernels.restore_modes()
@@ -200,8 +200,8 @@ class Engine:
             self.kernels.restore_modes()
             raise
         self._warn_frozen_from_disk()
-        k.res_io = self.executors["io"]  # the resident state's transfers, where it is on SSD
-        k.res_progress = tracer.progress
+        k.resident.io = self.executors["io"]  # the resident state's transfers, where it is on SSD
+        k.resident.progress = tracer.progress
         k.stop = self.stop
         self.marks = stream_marks(device)
 
@@ -275,8 +275,8 @@ class Engine:
         if self.vertical:  # the delayed gradients' SSD share (at most: less where the parameters' memory holds them)
             tiers += tail_file_bytes([((layer, DELAYED), n) for layer, (_n, n) in enumerate(self.layer_parts) if n],
                                      cpu_share=self.placement.grad, comps=1, esize=4)
-        if self.kernels.res_on_ssd:
-            tiers += tail_file_bytes(self.kernels.resident_sizes(), cpu_share=0.0, comps=3, esize=4)
+        if self.kernels.resident.on_ssd:
+            tiers += tail_file_bytes(self.kernels.resident.sizes(), cpu_share=0.0, comps=3, esize=4)
         frozen = self.kernels.frozen_file_bytes()  # a streamed model's frozen weights, mapped
         existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
         free = shutil.disk_usage(offload_dir).free + existing

@@ -15,12 +15,9 @@ import contextlib
 import errno
 import logging
 import math
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
-from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import torch
@@ -41,14 +38,14 @@ from snake.adapters import (
     resident_named_params,
     takes_layer,
 )
-from snake.buffers import HostBuffer, alloc_host, alloc_host_tensor
+from snake.buffers import alloc_host_tensor
 from snake.clip import scale
 from snake.config import DynamicLossScale, SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
 from snake.errors import GradientOverflow, Stopped, StorageError
-from snake.memory import resident_chunk
-from snake.optim import adamw_step, decay_flags
+from snake.optim import decay_flags
+from snake.resident import ResidentState
 from snake.scaler import LossScaler
 from snake.shells import (
     _ABSENT,
@@ -60,7 +57,6 @@ from snake.shells import (
     _share_frozen,
     _shell,
 )
-from snake.stores import TierStore, Unit
 
 log = logging.getLogger("snake")
 
@@ -242,36 +238,21 @@ class Kernels:
         outer_kept = kept_fp32(model, skip=prefix)
         self.res_names = ["model." + n for n, _ in res]
         self.res_shapes = [p.shape for _, p in res]
-        # their fp32 master weights and Adam m, v: flat CPU tensors here, or with
-        # resident_optimizer="ssd" chunks of a store on SSD (`use_resident_store`), where
-        # these lists stay empty; read and written through `resident_components` / `set_resident`
-        self.res_on_ssd = config.resident_optimizer == "ssd"
-        self.res_store: TierStore | None = None
-        self.res_units: list[list[Unit]] = []  # per resident parameter, its chunks in the store
-        self.res_stages: list[HostBuffer] = []  # two chunks' master, m and v (the step's pipeline)
-        self.res_stage: HostBuffer | None = None  # the first of them (saves, loads)
-        self.res_io: Executor | None = None  # the SSD threads the step's transfers run on (the engine's)
-        self.res_progress: Callable[[], None] | None = None  # called per chunk (the stall watchdog's)
-        # set when the run is being torn down (cancelled, or another actor failed): the
-        # chunked resident step stops at its next chunk instead of finishing (the engine's)
+        # set when the run is being torn down (cancelled, or another actor failed): a wait for
+        # `rng_lock` and the chunked resident step stop (the engine's)
         self.stop: threading.Event | None = None
-        # one chunk's gradient on the host: the state on SSD, or in CPU memory with a GPU
-        self.res_gstage: torch.Tensor | None = None
-        self._res_initial = [p for _, p in res] if self.res_on_ssd else []  # written to the store once
-        self.res_master = [] if self.res_on_ssd else [
-            p.detach().to("cpu", torch.float32).clone().reshape(-1) for _, p in res]
-        res_total = sum(s.numel() for s in self.res_shapes)
-        if not self.res_on_ssd and device.type != "cpu" and res_total:
-            self.res_gstage = alloc_host_tensor(resident_chunk(res_total), torch.float32,
-                                                pin=pin_host_memory(device))
-        self.res_m = [torch.zeros_like(p) for p in self.res_master]
-        self.res_v = [torch.zeros_like(p) for p in self.res_master]
         self.res_dev = [
             p.detach().to(device=device, dtype=torch.float32 if i >= self.n_outer or n in outer_kept else self.dtype)
             .clone().requires_grad_(True)
             for i, (n, p) in enumerate(res)
         ]
         self.res_grad = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for _, p in res]
+        # their fp32 master weights and AdamW moments, in CPU memory or on SSD
+        self.resident = ResidentState(
+            self.res_names, [p for _, p in res], on_ssd=config.resident_optimizer == "ssd", opt=self.opt,
+            decay=self.res_decay, dev=self.res_dev, grad=self.res_grad, device=device,
+            pin=pin_host_memory(device), check_stop=self._check_stop,
+        )
         self.res_got = [False] * len(res)  # got a gradient this iteration
         self.res_skips = [0] * len(res)  # iterations without a gradient: steps missed
         self._changed_warned: set[tuple[str, str]] = set()  # `outer_as_computed`'s warnings, once each
@@ -739,240 +720,15 @@ class Kernels:
         for i, got in enumerate(self.res_got):
             if skip or not got:
                 self.res_skips[i] += 1
-        moved = 0
-        if not on:  # an overflow, or no resident parameter got a gradient: nothing changes
-            pass
-        elif self.res_store is None and self.res_gstage is None:  # a CPU device: the gradients are host memory
-            adamw_step([self.res_master[i] for i in on], [self.res_grad[i] for i in on], [self.res_m[i] for i in on],
-                       [self.res_v[i] for i in on], step=[step - self.res_skips[i] for i in on], opt=self.opt, lr=self.opt.lr_at(step),
-                       decay=[self.res_decay[i] for i in on])
-            with torch.no_grad():
-                for dev, master, shape in zip(self.res_dev, self.res_master, self.res_shapes, strict=True):
-                    dev.copy_(master.view(shape))
-        elif self.res_store is None:
-            self._resident_step_staged(on, step)
-        else:
-            moved = self._resident_step_ssd(on, step)
+        # none on: an overflow, or no resident parameter got a gradient: nothing changes
+        moved = self.resident.step(on, step, self.res_skips) if on else 0
         self.res_got = [False] * len(self.res_got)
         for g in self.res_grad:
             g.zero_()
         synchronize(self.device)
         return moved
 
-    def _resident_step_staged(self, on: list[int], step: int) -> None:
-        """The resident step with the state in CPU memory and the gradients on a GPU: each
-        parameter a chunk at a time through one pinned gradient buffer (a chunk's gradient
-        in, its master back out), not a pageable host copy of every gradient each iteration."""
-        gbuf = self.res_gstage
-        assert gbuf is not None
-        c = gbuf.numel()
-        with torch.no_grad():
-            for i in on:
-                n = self.res_shapes[i].numel()
-                dev = self.res_dev[i].view(-1)
-                for a in range(0, n, c):
-                    self._check_stop()
-                    b = min(n, a + c)
-                    g = gbuf[: b - a]
-                    g.copy_(self.res_grad[i][a:b])
-                    master = self.res_master[i][a:b]
-                    adamw_step([master], [g], [self.res_m[i][a:b]], [self.res_v[i][a:b]],
-                               step=step - self.res_skips[i], opt=self.opt, lr=self.opt.lr_at(step),
-                               decay=[self.res_decay[i]])
-                    dev[a:b].copy_(master)
-
-    def _resident_step_ssd(self, on: list[int], step: int) -> int:
-        """The resident step with the state on SSD, chunk after chunk of the parameters `on`,
-        pipelined over two staging buffers: the next chunk is read (on `res_io`, the SSD
-        threads) while this one is stepped, and each chunk is written back while the next
-        is stepped. Every transfer has ended when it returns or raises."""
-        store, gbuf = self.res_store, self.res_gstage
-        chunks = [(i, u, a) for i in on for u, a in self._chunks(i)]
-        if not chunks:
-            return 0
-        assert store is not None and gbuf is not None and self.res_io is not None
-        io, bufs = self.res_io, self.res_stages
-        writes: list[Future[None] | None] = [None, None]  # the last write from each buffer
-        pending: list[Future[None]] = []
-        try:
-            read = io.submit(store.read_tail, chunks[0][1], bufs[0])
-            pending.append(read)
-            with torch.no_grad():
-                for j, (i, u, a) in enumerate(chunks):
-                    self._check_stop()
-                    buf = bufs[j % 2]
-                    read.result()
-                    if j + 1 < len(chunks):  # the next chunk into the other buffer, once its write is done
-                        other = writes[(j + 1) % 2]
-                        if other is not None:
-                            other.result()
-                        read = io.submit(store.read_tail, chunks[j + 1][1], bufs[(j + 1) % 2])
-                        pending.append(read)
-                    t = store.tail(u, buf)
-                    g = gbuf[: u.n]
-                    g.copy_(self.res_grad[i][a : a + u.n])
-                    adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - self.res_skips[i], opt=self.opt, lr=self.opt.lr_at(step),
-                               decay=[self.res_decay[i]])
-                    self.res_dev[i].view(-1)[a : a + u.n].copy_(t[0])
-                    writes[j % 2] = w = io.submit(store.write_tail, u, buf)
-                    pending.append(w)
-                    if self.res_progress is not None:  # a long step is not a stall
-                        self.res_progress()
-            for f in pending:
-                f.result()
-        finally:  # a failure: the other transfers end before the buffers are used again
-            futures.wait(pending)
-        return 2 * sum(store.tail_bytes(u) for _, u, _ in chunks)
-
     def _check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
             raise Stopped("the resident step stopped part-way: the run is being cancelled or has failed")
-
-    def resident_sizes(self) -> list[tuple[tuple[str, int], int]]:
-        """The resident-on-SSD store's units: each resident parameter in chunks of
-        `resident_chunk` elements, keyed (name, chunk)."""
-        total = sum(s.numel() for s in self.res_shapes)
-        c = resident_chunk(total)
-        return [((name, j), min(c, s.numel() - j * c))
-                for name, s in zip(self.res_names, self.res_shapes, strict=True)
-                for j in range(-(-s.numel() // c))]
-
-    def use_resident_store(self, store: TierStore, *, pin: bool, stop: threading.Event | None = None) -> None:
-        """Blocking: keep the resident optimizer state in `store` (every unit of
-        `resident_sizes` on SSD): the model's values as masters, m and v zero. Raises Stopped
-        before the next parameter once `stop` is set (the engine's build was cancelled)."""
-        total = sum(s.numel() for s in self.res_shapes)
-        c = resident_chunk(total)
-        self.res_units = [[store.unit((name, j)) for j in range(-(-s.numel() // c))]
-                          for name, s in zip(self.res_names, self.res_shapes, strict=True)]
-        if total:  # (every resident parameter frozen: nothing to stage)
-            self.res_stages = [alloc_host(3 * c * 4, pin=pin) for _ in range(2)]
-            self.res_stage = self.res_stages[0]
-            self.res_gstage = alloc_host_tensor(c, torch.float32, pin=pin, stop=stop)
-        self.res_store = store
-        for i, p in enumerate(self._res_initial):
-            if stop is not None and stop.is_set():
-                raise Stopped("writing the resident optimizer state cancelled part-way")
-            master = p.detach().reshape(-1)
-            self._write_resident(i, master, None, None)
-        self._res_initial = []
-
-    def _chunks(self, i: int) -> Iterator[tuple[Unit, int]]:
-        """Resident parameter i's units with their first element's offset."""
-        a = 0
-        for u in self.res_units[i]:
-            yield u, a
-            a += u.n
-
-    def _write_resident(self, i: int, master: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
-        store, buf = self.res_store, self.res_stage
-        assert store is not None and buf is not None
-        with torch.no_grad():
-            for u, a in self._chunks(i):
-                t = store.tail(u, buf)
-                for c, src in enumerate((master, m, v)):
-                    if src is None:
-                        t[c].zero_()
-                    else:
-                        t[c].copy_(src[a : a + u.n])
-                store.write_tail(u, buf)
-
-    def resident_components(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Resident parameter i's fp32 master, m and v, flat on the CPU: snake's own tensors
-        (do not change them), or read from the SSD into new ones."""
-        if self.res_store is None:
-            return self.res_master[i], self.res_m[i], self.res_v[i]
-        store, buf = self.res_store, self.res_stage
-        assert buf is not None
-        n = self.res_shapes[i].numel()
-        master, m, v = (torch.empty(n, dtype=torch.float32) for _ in range(3))
-        for u, a in self._chunks(i):
-            store.read_tail(u, buf)
-            t = store.tail(u, buf)
-            for c, dst in enumerate((master, m, v)):
-                dst[a : a + u.n].copy_(t[c])
-        return master, m, v
-
-    def set_resident(self, i: int, read: Callable[[int, int, int], torch.Tensor]) -> None:
-        """Blocking: resident parameter i's optimizer state from `read(c, a, b)`, elements
-        [a, b) of its flat fp32 master (c = 0), m (1) or v (2); with the state on SSD a chunk
-        at a time. Its device copy follows the master; its gradient accumulator is cleared."""
-        n = self.res_shapes[i].numel()
-        dev = self.res_dev[i].view(-1)
-        with torch.no_grad():
-            if self.res_store is None:
-                for c, dst in enumerate((self.res_master[i], self.res_m[i], self.res_v[i])):
-                    dst.copy_(read(c, 0, n))
-                dev.copy_(self.res_master[i])
-            else:
-                store, buf = self.res_store, self.res_stage
-                assert buf is not None
-                for u, a in self._chunks(i):
-                    t = store.tail(u, buf)
-                    for c in range(3):
-                        t[c].copy_(read(c, a, a + u.n))
-                    store.write_tail(u, buf)
-                    dev[a : a + u.n].copy_(t[0])
-            self.res_grad[i].zero_()
-
-    def resident_snapshot(self, directory: Path) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Blocking, with the state on SSD: every resident parameter's master, m and v (flat
-        fp32) read into a shared mapping of a scratch file in `directory`, unlinked at once:
-        pages the kernel writes back and may drop, so a save does not hold the whole state
-        in the process's own memory. The mapping lives as long as the tensors."""
-        store, buf = self.res_store, self.res_stage
-        assert store is not None
-        total = sum(s.numel() for s in self.res_shapes)
-        if not total:  # every resident parameter frozen: nothing stored
-            return [(e, e, e) for e in (torch.empty(0),) * len(self.res_shapes)]
-        assert buf is not None
-        path = directory / "resident-save.bin"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, 3 * total * 4)  # the blocks now: no SIGBUS on a full disk later
-            finally:
-                os.close(fd)
-            flat = torch.from_file(str(path), shared=True, size=3 * total, dtype=torch.float32)
-        except OSError as e:
-            raise StorageError(
-                e.errno or errno.EIO,
-                f"save: the scratch file {path} for the resident optimizer state could not be made ({e}); "
-                "free space in the offload_dir",
-            ) from e
-        finally:
-            path.unlink(missing_ok=True)
-        out = []
-        off = 0
-        for i, s in enumerate(self.res_shapes):
-            n = s.numel()
-            comps = tuple(flat[off + c * n : off + (c + 1) * n] for c in range(3))
-            for u, a in self._chunks(i):
-                store.read_tail(u, buf)
-                t = store.tail(u, buf)
-                for c in range(3):
-                    comps[c][a : a + u.n].copy_(t[c])
-            out.append(comps)
-            off += 3 * n
-        return out  # type: ignore[return-value]
-
-    def resident_index(self) -> dict[str, int]:
-        """Each resident parameter's index (for `resident_master`) by its name without the
-        'model.' prefix."""
-        return {n[len("model.") :]: i for i, n in enumerate(self.res_names)}
-
-    def resident_master(self, i: int) -> torch.Tensor:
-        """Blocking: resident parameter i's fp32 master weights in its shape, in a tensor of
-        its own (read from the SSD a chunk at a time where the state is there)."""
-        s = self.res_shapes[i]
-        if self.res_store is None:
-            return self.res_master[i].view(s).clone()
-        store, buf = self.res_store, self.res_stage
-        assert buf is not None
-        master = torch.empty(s.numel(), dtype=torch.float32)
-        for u, a in self._chunks(i):
-            store.read_tail(u, buf)
-            master[a : a + u.n].copy_(store.tail(u, buf)[0])
-        return master.view(s)
-
 

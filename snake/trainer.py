@@ -406,7 +406,7 @@ class SnakeTrainer:
         one layer's master weights at a time (a state_dict of every layer's first held
         twice the model's fp32 state), their SSD tails read through `scratch`."""
         model = self.parts.model
-        resident = e.kernels.resident_index()
+        resident = e.kernels.resident.index()
         held: tuple[int, torch.Tensor] | None = None  # the layer whose masters the keys read
         canonical: dict[int, str] = {}
         alias: dict[str, str] = {}
@@ -434,7 +434,7 @@ class SnakeTrainer:
             if keep is not None and key not in keep:
                 continue
             if alias.get(key) in resident:  # pre/post's, and the blocks' kept in float32
-                out[key] = e.kernels.resident_master(resident[alias[key]])
+                out[key] = e.kernels.resident.master_of(resident[alias[key]])
                 continue
             if key.startswith(prefix):
                 i_str, _, pname = key[len(prefix) :].partition(".")

@@ -180,13 +180,13 @@ async def test_a_cancelled_build_stops_writing_the_resident_state_at_its_next_pa
     """With resident_optimizer='ssd' the build writes the embeddings' and head's optimizer
     state to SSD, parameter by parameter; a cancellation stops it before the next one and
     the files it made go."""
-    import snake.kernels
+    import snake.resident
 
     async def body():
         off = tmp_path / "off"
         t = SnakeTrainer(model(), data=batches(4, 4), config=config(off, resident_optimizer="ssd"))
         loop, entered = asyncio.get_running_loop(), asyncio.Event()
-        real, written = snake.kernels.Kernels._write_resident, []
+        real, written = snake.resident.ResidentState._write, []
 
         def slow(self, i, *a):
             written.append(i)
@@ -194,7 +194,7 @@ async def test_a_cancelled_build_stops_writing_the_resident_state_at_its_next_pa
             threading.Event().wait(PIECE_S)
             return real(self, i, *a)
 
-        monkeypatch.setattr(snake.kernels.Kernels, "_write_resident", slow)
+        monkeypatch.setattr(snake.resident.ResidentState, "_write", slow)
         took = await cancel_at(t.run(1), entered)
         assert written == [0], "stopped before the next parameter"  # of 3 here
         assert took < 4 * PIECE_S  # (3 pieces here: the count above is the check)

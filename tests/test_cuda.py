@@ -102,7 +102,7 @@ async def _parity(tmp_path, schedule, where, backend, *, width=64, micro=3, batc
     async with SnakeTrainer(model, data=data, config=cfg) as trainer:
         report = await trainer.run(3)
         if resident_optimizer == "ssd":
-            assert trainer.engine.kernels.res_gstage.is_pinned()
+            assert trainer.engine.kernels.resident.gstage.is_pinned()
         got = await trainer.state_dict()
         spans = list(trainer.trace.spans)
     assert [s.loss for s in report.steps] == pytest.approx(want_losses, rel=1e-5)

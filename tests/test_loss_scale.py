@@ -69,7 +69,7 @@ async def test_a_static_scale_that_overflows_fails_the_run_before_any_step(tmp_p
     message names the iteration the gradient is of. AdamW never saw a
     gradient that is not finite (a spy on its calls)."""
     import snake.actors.optimizer
-    import snake.kernels
+    import snake.resident
     from snake import ActorFailed, GradientOverflow
 
     stepped: list[bool] = []  # per AdamW call: were all its gradients finite
@@ -80,7 +80,7 @@ async def test_a_static_scale_that_overflows_fails_the_run_before_any_step(tmp_p
             return real(params, grads, *a, **k)
         return step
 
-    for module in (snake.actors.optimizer, snake.kernels):
+    for module in (snake.actors.optimizer, snake.resident):
         monkeypatch.setattr(module, "adamw_step", spy(module.adamw_step))
     model = fp16_gpt()
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=placement, alpha=alpha, device="cpu",

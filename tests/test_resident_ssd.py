@@ -75,14 +75,14 @@ async def test_state_lives_in_the_file_not_in_memory(tmp_path, small_chunks):
             if k in before:
                 assert torch.equal(before[k], v.float()), k
         await trainer.run(2)
-        k = trainer.engine.kernels
-        assert k.res_master == [] and k.res_m == [] and k.res_v == []
+        k = trainer.engine.kernels.resident
+        assert k.master == [] and k.m == [] and k.v == []
         store = trainer.engine.stores["resident"]
         assert store.cpu_bytes() == 0 and (tmp_path / "resident.bin").stat().st_size == store.file_bytes
         c = resident_chunk(n)
         assert c == 1024 and store.file_bytes >= 3 * n * 4
         # what the memory model charges is what the runtime holds for it: the staging buffers
-        held = sum(b.nbytes for b in k.res_stages) + k.res_gstage.numel() * 4
+        held = sum(b.nbytes for b in k.stages) + k.gstage.numel() * 4
         assert held == resident_host_bytes(n, True) == 7 * c * 4
         after = await trainer.state_dict()
     assert not (tmp_path / "resident.bin").exists()  # scratch: removed at close
@@ -312,10 +312,10 @@ def _maps() -> str:
 async def test_save_reads_the_state_into_a_file_mapping_not_into_memory(tmp_path, small_chunks, monkeypatch):
     """A save of the state on SSD goes through a shared mapping of an unlinked scratch file in
     offload_dir (pages the kernel may write back and drop), which is gone afterwards."""
-    from snake import kernels
+    from snake import resident
 
     seen = []
-    real = kernels.Kernels.resident_snapshot
+    real = resident.ResidentState.snapshot
 
     def spy(self, directory):
         out = real(self, directory)
@@ -323,7 +323,7 @@ async def test_save_reads_the_state_into_a_file_mapping_not_into_memory(tmp_path
         seen.append(("resident-save.bin (deleted)" in maps, directory, [p.name for p in directory.iterdir()]))
         return out
 
-    monkeypatch.setattr(kernels.Kernels, "resident_snapshot", spy)
+    monkeypatch.setattr(resident.ResidentState, "snapshot", spy)
     cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path / "off", placement=MIXED, alpha=0.0, device="cpu",
                       resident_optimizer="ssd")
     async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=cfg) as t:
@@ -354,7 +354,7 @@ async def test_bfloat16_and_a_frozen_embedding(tmp_path, small_chunks):
                       resident_optimizer="ssd")
     async with SnakeTrainer(frozen, data=data, config=cfg) as t:
         await asyncio.wait_for(t.run(3), 60)
-        assert t.engine.stores["resident"].file is None and t.engine.kernels.res_stage is None
+        assert t.engine.stores["resident"].file is None and t.engine.kernels.resident.stage is None
         state = await t.state_dict()
     assert_close_state({k: state[k] for k in want}, want)
 
@@ -381,7 +381,7 @@ async def test_slow_and_short_transfers_in_the_pipelined_step_change_nothing(tmp
 @pytest.mark.asyncio
 async def test_state_in_memory_with_staged_gradients_is_bitwise_the_whole_step(tmp_path, small_chunks):
     """On a GPU the state in CPU memory is stepped a chunk at a time through one pinned
-    gradient buffer (`_resident_step_staged`); here that path is forced on the CPU device
+    gradient buffer (`ResidentState._step_staged`); here that path is forced on the CPU device
     after the first step: the weights are bitwise those of the whole-tensor step."""
     from snake.buffers import alloc_host_tensor
 
@@ -392,12 +392,12 @@ async def test_state_in_memory_with_staged_gradients_is_bitwise_the_whole_step(t
     cfg = SnakeConfig(device="cpu", offload_dir=tmp_path / "b", **kw)
     async with SnakeTrainer(model, data=data, config=cfg) as t:
         await t.run(1)
-        k = t.engine.kernels
-        assert k.res_gstage is None  # a CPU device steps the host gradients whole
-        k.res_gstage = alloc_host_tensor(1024, torch.float32, pin=False)
+        k = t.engine.kernels.resident
+        assert k.gstage is None  # a CPU device steps the host gradients whole
+        k.gstage = alloc_host_tensor(1024, torch.float32, pin=False)
         calls = []
-        real = k._resident_step_staged
-        k._resident_step_staged = lambda on, step: (calls.append(step), real(on, step))[1]
+        real = k._step_staged
+        k._step_staged = lambda on, step, skips: (calls.append(step), real(on, step, skips))[1]
         await asyncio.wait_for(t.run(2), 60)
         got = await t.state_dict()
     assert calls == [2, 3]
@@ -469,7 +469,7 @@ async def test_a_cancelled_run_stops_the_step_on_ssd_at_its_next_chunk(tmp_path,
     model = tiny_gpt(n_layer=2, bias=False)
     t = SnakeTrainer(model, data=batches(3, 4), config=cfg)
     await t.run(1)
-    n_chunks = sum(len(units) for units in t.engine.kernels.res_units)
+    n_chunks = sum(len(units) for units in t.engine.kernels.resident.units)
     assert n_chunks >= 8
     f = t.engine.stores["resident"].file
     inject_storage(f, StorageFaults(seed=1, spike=1.0, spike_s=0.2))
@@ -512,13 +512,13 @@ async def test_the_stop_event_ends_both_chunked_steps(tmp_path, small_chunks):
         cfg = SnakeConfig(offload_dir=tmp_path / resident, resident_optimizer=resident, **kw)
         async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(2, 4), config=cfg) as t:
             await t.run(1)
-            k = t.engine.kernels
+            k = t.engine.kernels.resident
             if resident == "cpu":
-                k.res_gstage = alloc_host_tensor(1024, torch.float32, pin=False)
-            step = k._resident_step_ssd if resident == "ssd" else k._resident_step_staged
+                k.gstage = alloc_host_tensor(1024, torch.float32, pin=False)
+            step = k._step_ssd if resident == "ssd" else k._step_staged
             t.engine.stop.set()
             with pytest.raises(Stopped):
-                step(list(range(len(k.res_shapes))), 2)
+                step(list(range(len(k.shapes))), 2, [0] * len(k.shapes))
 
 
 @pytest.mark.asyncio
