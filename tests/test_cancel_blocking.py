@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import snake.engine
+import snake.state_dict
 import snake.stores
-import snake.trainer
 from snake import SnakeTrainer
 from snake.offload_dir import DirLock
 from tests.helpers import batches, tiny_gpt
@@ -118,7 +118,7 @@ async def test_a_cancelled_state_dict_before_the_first_run_stops_at_its_next_lay
         async with SnakeTrainer(model(), data=data, config=config(tmp_path / "a")) as t:
             want = await t.state_dict()
             read, entered = [], asyncio.Event()
-            monkeypatch.setattr(snake.trainer, "layer_values", slowed_layer_values(snake.trainer, read, entered))
+            monkeypatch.setattr(snake.state_dict, "layer_values", slowed_layer_values(snake.state_dict, read, entered))
             await cancelled_then_usable(t, monkeypatch, entered, read, want, 2, want_run)
 
     await asyncio.wait_for(body(), TIMEOUT)

@@ -525,8 +525,8 @@ class _ScaledBlock(nn.Module):
 
 @pytest.mark.asyncio
 async def test_state_dict_keeps_buffers_in_the_models_own_dtype(tmp_path):
-    """Fixed in round 43 (was: state_dict() gives every floating buffer as float32 (`_assemble_state_dict` and
-    `_initial_state_dict`: `value.float()`), so a float64 buffer of 1 + 1e-9 comes out 1.0 and
+    """Fixed in round 43 (was: state_dict() gives every floating buffer as float32 (`snake.state_dict`'s
+    `assemble_state_dict` and `initial_state_dict`: `value.float()`), so a float64 buffer of 1 + 1e-9 comes out 1.0 and
     `model.load_state_dict(state, strict=True)` writes that rounding into a buffer that
     never trains. The evaluation itself computes with the float64 value.)"""
     torch.manual_seed(0)
@@ -550,7 +550,7 @@ async def test_state_dict_holds_the_frozen_weights_the_trainer_computes_with(tmp
     seen by the trainer". A frozen position table (resident, outside the layers) changed in
     the model after a run: evaluate() still computes with the trainer's copy (unchanged loss),
     but state_dict() reads the frozen resident parameter from the live model
-    (`_assemble_state_dict`'s "buffers and frozen parameters, as they are"), so the weights it
+    (`assemble_state_dict`'s "buffers and frozen parameters, as they are"), so the weights it
     returns are not the ones the trainer trains and evaluates with: PyTorch's loss of them is
     not evaluate()'s.)"""
     model = tiny_gpt(n_layer=2, bias=False)
