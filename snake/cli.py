@@ -295,18 +295,32 @@ def _snake_config(args: argparse.Namespace, offload_dir: str) -> SnakeConfig:
     )
 
 
-def _output_dir(option: str, text: str) -> Path:
-    """Create the directory `text` (given as `option`) now, so the end of a run cannot fail on it."""
+def _output_dir(option: str, text: str) -> list[Path]:
+    """Create the directory `text` (given as `option`) now, so the end of a run cannot fail
+    on it. Returns the directories this made, deepest first (`_remove_if_empty` takes them
+    back where the run is refused before it writes anything)."""
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(option, text, "is a file, not a directory", "pass a directory path")
+    made = [d for d in (path, *path.absolute().parents) if not d.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        _remove_if_empty(made)
         raise ConfigError(option, text, f"cannot be created ({e.strerror})", "pick a location you can write to") from None
     if not os.access(path, os.W_OK | os.X_OK):
+        _remove_if_empty(made)
         raise ConfigError(option, text, "is not writable", "pick a directory you can write to")
-    return path
+    return made
+
+
+def _remove_if_empty(made: list[Path]) -> None:
+    """Remove the directories `_output_dir` made (deepest first) that are still empty."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (the run wrote there), or gone
+            return
 
 
 def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
@@ -835,12 +849,19 @@ def _interrupt_setup(signum: int, frame: Any) -> None:
 
 
 def _train_setup_and_run(args: argparse.Namespace) -> int:
-    from snake.train_source import check_resume, resume_defaults, resume_manifest, subject
+    from snake.train_source import (
+        check_resume,
+        check_resume_options,
+        resume_defaults,
+        resume_manifest,
+        subject,
+    )
 
     trains = subject(args)
     manifest = resume_manifest(args.resume) if args.resume else None
     if manifest is not None:
         resume_defaults(args, manifest)
+        check_resume_options(args, manifest)
     chosen = _check_train_args(args, trains)
     try:
         import uvloop
@@ -857,9 +878,12 @@ def _train_setup_and_run(args: argparse.Namespace) -> int:
             _check_checkpoint_dir(args.checkpoint, str(offload_dir), args.out)
         if manifest is not None and (note := check_resume(args, chosen, config, manifest)) is not None:
             print(f"snake train: {note}", file=sys.stderr)
-        _output_dir("--out", args.out)
+        made = _output_dir("--out", args.out)
         resumed = None if manifest is None else {"checkpoint": args.resume, "step": manifest["step"]}
-        return runner(_train(args, chosen, config, resumed))
+        try:
+            return runner(_train(args, chosen, config, resumed))
+        finally:  # refused before it wrote anything (a bad offload_dir, found by the trainer): none left
+            _remove_if_empty(made)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -260,6 +261,34 @@ def resume_defaults(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
     mb = saved.get("micro_batches")
     if args.micro_batches is None and isinstance(mb, int) and not isinstance(mb, bool) and mb >= 1:
         args.micro_batches = mb
+    # a float16 run's static --loss-scale, left out: the checkpoint's (not the dynamic default)
+    scale = saved.get("loss_scale")
+    if (args.loss_scale is None and args.dtype == "float16" == saved.get("dtype") and isinstance(scale, int | float)
+            and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        args.loss_scale = float(scale)
+
+
+def check_resume_options(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
+    """ConfigError naming the option where one given (--dtype, --schedule, --seed, --alpha,
+    --micro-batches) is not the --resume checkpoint's: checked before the run's config is
+    made, so that what the checkpoint filled in (its alpha) is not refused first beside
+    another dtype."""
+    _check_fields({name: getattr(args, name, None) for name in _match_fields()}, manifest)
+
+
+def _match_fields() -> tuple[str, ...]:
+    from snake.manifest import MATCH_FIELDS
+
+    return MATCH_FIELDS
+
+
+def _check_fields(mine: dict[str, Any], manifest: dict[str, Any]) -> None:
+    for name, value in mine.items():
+        theirs = manifest["config"].get(name)
+        if value is not None and theirs is not None and value != theirs:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(option, value, f"does not match the --resume checkpoint's {theirs!r}",
+                              f"give {option} {theirs}, as the checkpoint was saved with")
 
 
 def check_resume(args: argparse.Namespace, subject: Subject, config: Any, manifest: dict[str, Any]) -> str | None:
@@ -268,15 +297,8 @@ def check_resume(args: argparse.Namespace, subject: Subject, config: Any, manife
     rank or targets, config fields a resume keeps (`snake.checkpoint.MATCH_FIELDS`), text
     or windows. load() checks the model and fields too, but once the model is built and
     naming a tensor. Returns a note for the user where something could not be checked."""
-    from snake.manifest import MATCH_FIELDS
-
     _check_resume_model(args, manifest.get("model_config") or {})
-    for name in MATCH_FIELDS:
-        mine, theirs = getattr(config, name), manifest["config"].get(name)
-        if mine is not None and theirs is not None and mine != theirs:
-            option = "--" + name.replace("_", "-")
-            raise ConfigError(option, mine, f"does not match the --resume checkpoint's {theirs!r}",
-                              f"give {option} {theirs}, as the checkpoint was saved with")
+    _check_fields({name: getattr(config, name) for name in _match_fields()}, manifest)
     _check_resume_lora(args, subject, manifest)
     if not _check_resume_data(args, subject):
         return (f"--resume {args.resume} holds no {TRAIN_RECORD} (it was not saved by snake train, or by one "
