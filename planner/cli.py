@@ -33,7 +33,7 @@ from planner.profile import MachineProfile, measure_profile
 from planner.roofline import plot_roofline, roofline
 from planner.search import search
 from planner.solve import Infeasible, Plan, off_budget, predict_horizontal
-from snake.cli import device_name, positive_int
+from snake.cli_args import device_name, positive_int
 from snake.config import MIN_SSD_BANDWIDTH
 from snake.errors import MISSING, ConfigError, ModelError
 from snake.models.gpt import GPTConfig
