@@ -453,7 +453,7 @@ class Kernels:
         was built, which it does not see), with a warning naming it (`what`: what the caller
         does about it); else None."""
         copy = self.res_buffers.get("model." + name)
-        if copy is None or torch.equal(live.detach().to(copy.device, copy.dtype), copy):
+        if copy is None or _same_values(live, copy):
             return None
         if (name, what) not in self._changed_warned:
             self._changed_warned.add((name, what))
@@ -732,3 +732,12 @@ class Kernels:
         if self.stop is not None and self.stop.is_set():
             raise Stopped("the resident step stopped part-way: the run is being cancelled or has failed")
 
+
+def _same_values(live: torch.Tensor, copy: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Does `live` (the model's tensor, on the CPU) hold `copy`'s values (the trainer's, on
+    the device, in its dtype)? Compared `chunk` elements at a time, so that a frozen
+    embedding of gigabytes takes no copy of itself on a device that has no room for one."""
+    if live.shape != copy.shape:
+        return False
+    a, b = live.detach().reshape(-1), copy.reshape(-1)
+    return all(torch.equal(a[i : i + chunk].to(b.device, b.dtype), b[i : i + chunk]) for i in range(0, b.numel(), chunk))

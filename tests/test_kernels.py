@@ -102,3 +102,17 @@ def test_every_block_call_sees_its_weights_require_a_gradient():
     with k.eval_mode():
         k.eval_block(slot, x, 0)
     assert seen == [True, True, True]
+
+
+def test_a_frozen_tensor_is_compared_a_chunk_at_a_time():
+    """`outer_as_computed`'s comparison of the model's tensor with the trainer's copy (in its
+    own dtype) goes chunk by chunk, and sees a change in any chunk, the last one too."""
+    from snake.kernels import _same_values
+
+    live = torch.randn(5, 7)
+    copy = live.to(torch.bfloat16)
+    assert _same_values(live, copy, chunk=4)
+    changed = live.clone()
+    changed[-1, -1] += 1.0
+    assert not _same_values(changed, copy, chunk=4)
+    assert not _same_values(live.reshape(7, 5), copy, chunk=4)
