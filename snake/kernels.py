@@ -124,6 +124,13 @@ class Kernels:
         # which trained parameters take weight decay (`AdamW.no_decay`): per layer one flag
         # per parameter of its flat state (None: all), per resident parameter one
         self.layer_decay, self.res_decay = decay_flags(parts, config.optimizer)
+        self._build_layers(parts, device, frozen_copies)
+        self._build_resident(parts, config, device)
+
+    def _build_layers(self, parts: ModelParts, device: torch.device, frozen_copies: bool) -> None:
+        """Per layer kind, its shell on the device and what the kind's layers differ in; per layer,
+        its frozen parameters (held on the device, or a CPU copy that streams with it); the
+        sizes of the gradient buffers and the device slots."""
         # one device "shell" block per layer kind (a copy of the kind's first block): its
         # own weights are never used, each layer's arrive in a slot
         blocks = list(parts.blocks)
@@ -223,6 +230,10 @@ class Kernels:
         # probes, whose slots hold everything)
         in_place = device.type == "cpu" and frozen_copies
         self.slot_params = max(p + (0 if in_place else f) for p, f in zip(self.kind_params, self.kind_frozen, strict=True))
+
+    def _build_resident(self, parts: ModelParts, config: SnakeConfig, device: torch.device) -> None:
+        """pre/post and the parameters held on the device: their device copies, gradient
+        accumulators, optimizer state (`ResidentState`), buffers and frozen parameters."""
         # resident pre/post: device copies in compute dtype, fp32 master + Adam state on CPU
         model = parts.model
         # training mode for pre/post (dropout) while the engine lives; the user's modes come
