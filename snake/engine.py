@@ -8,7 +8,7 @@ import asyncio
 import shutil
 import threading
 import warnings
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -159,6 +159,31 @@ class Engine:
         except BaseException:
             k.restore_modes()
             raise
+        self._make_stores(store_kw, parts_units, ckpt_units)
+        try:
+            self._make_pools()
+            self._make_grads()
+            self._make_executors(device, config, data_executor)
+        except BaseException:  # e.g. no memory for the pools: close what was opened
+            for name, ex in getattr(self, "executors", {}).items():
+                if name != "data":  # the trainer's, and this runs on its thread
+                    ex.shutdown(wait=False)
+            self.close_files()
+            self.kernels.restore_modes()
+            raise
+        self._warn_frozen_from_disk()
+        k.resident.io = self.executors["io"]  # the resident state's transfers, where it is on SSD
+        k.resident.progress = tracer.progress
+        k.stop = self.stop
+        self.marks = stream_marks(device)
+
+    def _make_stores(self, store_kw: dict[str, Any], parts_units: Sequence[tuple[Hashable, int]],
+                     ckpt_units: Sequence[tuple[Hashable, int]]) -> None:
+        """Blocking: the tier stores (parameters, optimizer state, checkpoints, activation
+        gradients; the delayed gradients' and the resident optimizer state's where they are on
+        SSD), their files made; on failure those made are closed and the model's modes given
+        back."""
+        k = self.kernels
         self.stores: dict[str, TierStore] = {}
         # views of store units made once and kept across runs (`inline_store`, h2d's aliases):
         # a unit's place in its store never moves
@@ -188,22 +213,6 @@ class Engine:
             self.close_files()
             self.kernels.restore_modes()
             raise
-        try:
-            self._make_pools()
-            self._make_grads()
-            self._make_executors(device, config, data_executor)
-        except BaseException:  # e.g. no memory for the pools: close what was opened
-            for name, ex in getattr(self, "executors", {}).items():
-                if name != "data":  # the trainer's, and this runs on its thread
-                    ex.shutdown(wait=False)
-            self.close_files()
-            self.kernels.restore_modes()
-            raise
-        self._warn_frozen_from_disk()
-        k.resident.io = self.executors["io"]  # the resident state's transfers, where it is on SSD
-        k.resident.progress = tracer.progress
-        k.stop = self.stop
-        self.marks = stream_marks(device)
 
     def _make_executors(self, device: torch.device, config: SnakeConfig, data_executor: ThreadPoolExecutor) -> None:
         init = helper_thread_init(device)  # on a CPU device: one intra-op thread outside compute
