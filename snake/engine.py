@@ -276,25 +276,32 @@ class Engine:
             )
         esize = torch.empty((), dtype=self.dtype).element_size()
         hsize = torch.empty((), dtype=self.hidden_dtype).element_size()
-        tiers = (
-            tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize)
-            + tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4)
-            + tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=hsize, whole_units=True)
-        )
+        files = {  # the tier files this build makes, by name, and their bytes
+            "param.bin": tail_file_bytes(parts_units, cpu_share=self.placement.param, comps=1, esize=esize),
+            "opt.bin": tail_file_bytes(parts_units, cpu_share=self.placement.opt, comps=3, esize=4),
+            "ckpt.bin": tail_file_bytes(ckpt_units, cpu_share=self.placement.ckpt, comps=1, esize=hsize, whole_units=True),
+        }
         if self.vertical:  # the delayed gradients' SSD share (at most: less where the parameters' memory holds them)
-            tiers += tail_file_bytes([((layer, DELAYED), n) for layer, (_n, n) in enumerate(self.layer_parts) if n],
-                                     cpu_share=self.placement.grad, comps=1, esize=4)
+            files["grad.bin"] = tail_file_bytes([((layer, DELAYED), n) for layer, (_n, n) in enumerate(self.layer_parts)
+                                                 if n], cpu_share=self.placement.grad, comps=1, esize=4)
         if self.kernels.resident.on_ssd:
-            tiers += tail_file_bytes(self.kernels.resident.sizes(), cpu_share=0.0, comps=3, esize=4)
-        frozen = self.kernels.frozen_file_bytes()  # a streamed model's frozen weights, mapped
-        existing = sum(f.stat().st_size for f in offload_dir.glob("*.bin"))  # reused, not added
-        free = shutil.disk_usage(offload_dir).free + existing
+            files["resident.bin"] = tail_file_bytes(self.kernels.resident.sizes(), cpu_share=0.0, comps=3, esize=4)
+        tiers = sum(files.values())
+        mapped = self.kernels.frozen_files()  # a streamed model's frozen weights, mapped
+        frozen = sum(mapped.values())
+        # a file of the same name left by a killed run is written over: the blocks it holds
+        # are room (up to this one's size); any other file there is not
+        free = shutil.disk_usage(offload_dir).free + sum(
+            min(_allocated(offload_dir / name), n) for name, n in {**files, **mapped}.items())
         if tiers + frozen > free:
             what = f"the SSD tier needs {fmt_size(tiers)}" + (
                 f" and the frozen layer weights' mapped files {fmt_size(frozen)} (whatever the shares)" if frozen else "")
+            stale = sorted(f.name for f in offload_dir.glob("*.bin") if f.name not in files and f.name not in mapped)
             raise ConfigError(
                 "offload_dir", str(offload_dir), f"has {fmt_size(free)} free but {what}",
-                "free space there, point offload_dir at a bigger disk"
+                "free space there" + (f" (files an earlier run left that this one does not use: {', '.join(stale[:4])}"
+                                      f"{' ...' if len(stale) > 4 else ''})" if stale else "")
+                + ", point offload_dir at a bigger disk"
                 + (", or raise the placement shares to keep more in CPU memory" if tiers else ""),
             )
         fs = memory_fs(offload_dir)
@@ -589,3 +596,12 @@ class Engine:
 def _available_memory() -> int:
     """The host memory available now (the page cache counts as available)."""
     return int(psutil.virtual_memory().available)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes of disk `path` holds (its blocks: a sparse file holds less than its size), 0
+    where there is no such file."""
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0

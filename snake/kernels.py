@@ -281,14 +281,14 @@ class Kernels:
             for n, p in resident_named_params(parts, trained=False)
         })
 
-    def frozen_file_bytes(self) -> int:
-        """Bytes of the files `map_frozen` writes (0 where the frozen parameters are held in
-        CPU memory, or already mapped by an earlier trainer)."""
+    def frozen_files(self) -> dict[str, int]:
+        """The files `map_frozen` writes, by name, and their bytes (none where the frozen
+        parameters are held in CPU memory, or already mapped by an earlier trainer)."""
         if not self.frozen_mapped:
-            return 0
+            return {}
         esize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(self.kind_frozen[self.kinds[i]] for i, b in enumerate(self.parts.blocks)
-                   if _mapping_of(frozen_named(b), self.dtype) is None) * esize
+        return {_frozen_file(i): self.kind_frozen[self.kinds[i]] * esize for i, b in enumerate(self.parts.blocks)
+                if _mapping_of(frozen_named(b), self.dtype) is None}
 
     def map_frozen(self, directory: Path, stop: threading.Event | None = None) -> None:
         """Blocking: each layer's streamed frozen parameters, read from the model's files,
@@ -317,7 +317,7 @@ class Kernels:
             values = layer_values(self.parts, layer, named)
             flat = torch.cat([v.reshape(-1).to(self.dtype) for v in values])
             del values
-            path = directory / f"frozen-{layer:05d}.bin"
+            path = directory / _frozen_file(layer)
             try:
                 with open(path, "wb") as f:
                     f.write(flat.view(torch.uint8).numpy().data)
@@ -752,3 +752,8 @@ def _same_values(live: torch.Tensor, copy: torch.Tensor, chunk: int = 1 << 24) -
         return False
     a, b = live.detach().reshape(-1), copy.reshape(-1)
     return all(torch.equal(a[i : i + chunk].to(b.device, b.dtype), b[i : i + chunk]) for i in range(0, b.numel(), chunk))
+
+
+def _frozen_file(layer: int) -> str:
+    """The name of the file `map_frozen` writes layer `layer`'s frozen weights to."""
+    return f"frozen-{layer:05d}.bin"

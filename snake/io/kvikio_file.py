@@ -39,6 +39,9 @@ class KvikioFile:
         try:
             if nbytes > 0:
                 os.posix_fallocate(fd, 0, nbytes)  # (a full disk fails here, as with any backend)
+        except OSError:
+            self.path.unlink(missing_ok=True)  # as PosixFile: no file of the failed build stays
+            raise
         finally:
             os.close(fd)
         try:

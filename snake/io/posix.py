@@ -28,6 +28,7 @@ class PosixFile:
         except OSError as e:
             os.close(self._fd)
             self._fd = -1
+            self.path.unlink(missing_ok=True)  # no file of the failed build stays (it was snake's own tier file)
             if e.errno == errno.ENOSPC:
                 raise StorageError(
                     e.errno,
