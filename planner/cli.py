@@ -37,6 +37,7 @@ from snake.cli_args import device_name, positive_int
 from snake.config import MIN_SSD_BANDWIDTH
 from snake.errors import MISSING, ConfigError, ModelError
 from snake.models.gpt import GPTConfig
+from snake.offload_dir import memory_fs
 
 _UNITS = {
     "": 1, "b": 1,
@@ -452,7 +453,10 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
                 profile = dataclasses.replace(profile, shape=args.model.whole_shape(
                     profile.shape, pre=pre_trains(model), dtype=args.dtype))
         budgets = {"cpu_memory_bytes": args.cpu_memory, "device_memory_bytes": args.device_memory}
-        profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None})
+        # an offload_dir in memory (tmpfs) spares no CPU memory: the trainer's planner counts it so
+        # (`planner.integrate.with_budgets`), and a plan made here must be one the trainer takes
+        profile = dataclasses.replace(profile, **{k: v for k, v in budgets.items() if v is not None},
+                                      offload_in_memory=memory_fs(args.offload_dir) is not None)
     except (ConfigError, ModelError) as e:
         print(f"snake plan: {e}", file=sys.stderr)
         return 2

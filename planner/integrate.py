@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -210,9 +211,13 @@ def plan_for_batch(
         if config.micro_batches is None:  # every n tried: "fewer micro-batches" cannot help
             more = "CPU memory" if short.resource == "cpu_memory" else "device memory"
             shares = "smaller CPU shares (placement), " if config.placement is not None else ""
+            # the nearest miss's other fixes stay: the resident state on SSD, offload_dir on a disk
+            ssd = re.search(r", resident_optimizer='ssd' \([^)]*\)", short.fix)
+            disk = short.fix.split("; or ", 1)[0] + "; or " if "; or " in short.fix else ""
             return dataclasses.replace(short, fix=(
-                f"{shares}a smaller global batch than {b} or shorter sequences (no number of "
-                f"micro-batches dividing it, {ns[0]} to {ns[-1]}, fits), or give more {more}"
+                f"{disk}{shares}a smaller global batch than {b} or shorter sequences (no number of "
+                f"micro-batches dividing it, {ns[0]} to {ns[-1]}, fits){ssd.group(0) if ssd else ''}, "
+                f"or give more {more}"
             ))
         return short
     return best
@@ -228,8 +233,10 @@ async def plan_for_trainer(trainer: Any, first: Any) -> SnakeConfig:
     config: SnakeConfig = trainer.config
     model = trainer.parts.model
     # the built-in GPT by its config (fresh blocks are timed, as `snake plan` does); any other
-    # model (Hugging Face, ModelParts) by its own blocks, embedding and head
-    what: GPTConfig | ModelParts = model.config if isinstance(model, GPT) else trainer.parts
+    # model (Hugging Face, ModelParts), and a GPT with frozen parameters (whose CPU copy the
+    # memory check counts, and a config does not say), by its own blocks, embedding and head
+    whole = isinstance(model, GPT) and all(p.requires_grad for p in model.parameters())
+    what: GPTConfig | ModelParts = model.config if whole else trainer.parts
     from snake.data import pair_of
 
     shape_in = pair_of(first)[0].shape
