@@ -174,7 +174,7 @@ class Engine:
         self._warn_frozen_from_disk()
         k.resident.io = self.executors["io"]  # the resident state's transfers, where it is on SSD
         k.resident.progress = tracer.progress
-        k.stop = self.stop
+        k.stop = k.resident.stop = self.stop
         self.marks = stream_marks(device)
 
     def _make_stores(self, store_kw: dict[str, Any], parts_units: Sequence[tuple[Hashable, int]],

@@ -262,7 +262,7 @@ class Kernels:
         self.resident = ResidentState(
             self.res_names, [p for _, p in res], on_ssd=config.resident_optimizer == "ssd", opt=self.opt,
             decay=self.res_decay, dev=self.res_dev, grad=self.res_grad, device=device,
-            pin=pin_host_memory(device), check_stop=self._check_stop,
+            pin=pin_host_memory(device),
         )
         self.res_got = [False] * len(res)  # got a gradient this iteration
         self.res_skips = [0] * len(res)  # iterations without a gradient: steps missed
@@ -741,7 +741,7 @@ class Kernels:
 
     def _check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
-            raise Stopped("the resident step stopped part-way: the run is being cancelled or has failed")
+            raise Stopped("the run is being cancelled or has failed")
 
 
 def _same_values(live: torch.Tensor, copy: torch.Tensor, chunk: int = 1 << 24) -> bool:
