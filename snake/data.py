@@ -291,11 +291,17 @@ class DataSource:
         generator until the loop closed, or was collected with it: "Task was destroyed but
         it is pending!")."""
         pending, self._pending, self._call = self._pending, None, None
+        unhooked, self._unhooked = self._unhooked, None
         self._iter = self._aiter = None
         self._data = self._state_of = self._load_state = self._restoring = None
         self._peeked.clear()
         self._states.clear()
         if not isinstance(pending, asyncio.Task) or pending.done():
+            if inspect.isasyncgen(unhooked) and unhooked.ag_frame is not None and not unhooked.ag_running:
+                # an async generator no loop closes (read unhooked, no run since): its
+                # `finally` runs now, as the loop that first read it would have run it
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(unhooked.aclose(), grace)
             return
         home = pending.get_loop()
         if home is not asyncio.get_running_loop():  # close() from another loop: cancelled in its own

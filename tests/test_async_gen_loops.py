@@ -107,3 +107,23 @@ def test_the_stream_is_closed_as_the_runs_loop_ends(tmp_path, first_read):
     asyncio.run(train())
     assert log == ["closed"]
     asyncio.run(t.close())
+
+
+def test_a_stream_no_run_read_is_closed_with_the_trainer(tmp_path):
+    """Read by an evaluation in a loop of its own and never by a run, the stream is closed
+    (its `finally` runs, an await in it too) when the trainer closes, in another loop."""
+    log: list[str] = []
+
+    async def gen():
+        try:
+            for b in batches(4, 4):
+                yield b
+        finally:
+            await asyncio.sleep(0)  # (a generator dropped unclosed cannot run this)
+            log.append("closed")
+
+    t = SnakeTrainer(tiny_gpt(n_layer=2), data=gen(), config=cfg(tmp_path))
+    asyncio.run(t.evaluate(batches(1, 4, seed=9)))
+    assert log == []
+    asyncio.run(t.close())
+    assert log == ["closed"]
