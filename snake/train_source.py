@@ -255,7 +255,7 @@ def resume_defaults(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
     defaults, or what --plan picked), as the trainer's None takes them."""
     saved = manifest["config"]
     if args.plan:
-        return  # the trainer fills its None from the checkpoint (snake.checkpoint.fill_config)
+        return  # the trainer fills its None from the checkpoint (snake.manifest.fill_config)
     if args.alpha is None and isinstance(saved.get("alpha"), int | float) and not isinstance(saved["alpha"], bool):
         args.alpha = float(saved["alpha"])
     mb = saved.get("micro_batches")
@@ -294,7 +294,7 @@ def _check_fields(mine: dict[str, Any], manifest: dict[str, Any]) -> None:
 def check_resume(args: argparse.Namespace, subject: Subject, config: Any, manifest: dict[str, Any]) -> str | None:
     """ConfigError naming the option where this run is not the one the --resume checkpoint
     goes on: another model (the built-in GPT's shape, a Hugging Face model's config), LoRA
-    rank or targets, config fields a resume keeps (`snake.checkpoint.MATCH_FIELDS`), text
+    rank or targets, config fields a resume keeps (`snake.manifest.MATCH_FIELDS`), text
     or windows. load() checks the model and fields too, but once the model is built and
     naming a tensor. Returns a note for the user where something could not be checked."""
     _check_resume_model(args, manifest.get("model_config") or {})

@@ -1,5 +1,5 @@
 """A save() that cannot fit on its disk is refused before anything changes: the checkpoint
-(counted by `snake.checkpoint.checkpoint_bytes`, a lower bound of its files) and, with the
+(counted by `snake.checkpoint_files.checkpoint_bytes`, a lower bound of its files) and, with the
 resident optimizer state on SSD, the scratch copy a save makes of it in the offload_dir."""
 
 import errno
