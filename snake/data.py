@@ -151,6 +151,10 @@ class DataSource:
 
     def __init__(self, data: Any) -> None:
         check_container(data, "data")
+        # a list or tuple, or a DataLoader of a map-style dataset, says how many batches it
+        # has: run() checks there are enough (seen before the iterator is made: a
+        # StatefulDataLoader's loaded state goes to its iterator)
+        self._len, self._short_last = _known_length(data)
         if hasattr(data, "__aiter__"):
             self._aiter: AsyncIterator[Any] | None = data.__aiter__()
             self._iter: Iterator[Any] | None = None
@@ -191,9 +195,6 @@ class DataSource:
         self._pending: asyncio.Future[Any] | None = None  # a next() a cancellation left running
         self._call: Future[Any] | None = None  # that next() on its thread: done as it returns
         self.consumed = 0  # global batches handed out
-        # a list or tuple, or a DataLoader of a map-style dataset, says how many batches it
-        # has: run() checks there are enough
-        self._len, self._short_last = _known_length(data)
         self._taken = 0  # items taken from the iterator (load(skip_data=False) does not count)
         # on a CPU device the engine's `Kernels.rng_lock`: a sync next() of a source that
         # draws from torch's global generator (`draws_rng`) holds it, so that its draws never
@@ -499,21 +500,32 @@ def _known_length(data: Any) -> tuple[int | None, tuple[int, int] | None]:
         return (None if n is None else n * data.epochs), None
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         return None, None  # an IterableDataset's len(), where it has one, is the user's estimate
-    if type(data).__iter__ is not DataLoader.__iter__ or type(data).__len__ is not DataLoader.__len__:
+    # torchdata's StatefulDataLoader: one pass of len() batches, as a DataLoader, unless its
+    # state was loaded (its next pass starts where that state left it)
+    stateful = (type(data).__name__, type(data).__module__) == _STATEFUL_LOADER
+    if stateful and getattr(data, "next_iter_state", None) is not None:
+        return None, None
+    if not stateful and (type(data).__iter__ is not DataLoader.__iter__ or type(data).__len__ is not DataLoader.__len__):
         return None, None  # a subclass's own (one that cycles its epochs forever goes past len())
+    ours = ("torch.utils.data", _STATEFUL_SAMPLERS) if stateful else ("torch.utils.data",)
     samplers = (data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None))
-    if not all(type(s).__module__.startswith("torch.utils.data") for s in samplers if s is not None):
+    if not all(type(s).__module__.startswith(ours) for s in samplers if s is not None):
         return None, None  # a sampler of the user's may go on past its len() (an endless one)
-    batches = data.batch_sampler  # torch's BatchSampler: given, or made of batch_size and drop_last
+    batches: Any = data.batch_sampler  # torch's BatchSampler: given, or made of batch_size and drop_last
+    plain = type(batches) is BatchSampler or (stateful and isinstance(batches, BatchSampler))
     try:
         n = len(data)
-        samples = len(batches.sampler) if type(batches) is BatchSampler else None  # type: ignore[arg-type]
+        samples = len(batches.sampler) if plain else None
     except TypeError:  # a sampler without a length
         return None, None
     short = None
-    if samples is not None and type(batches) is BatchSampler and not batches.drop_last and samples % batches.batch_size:
+    if samples is not None and not batches.drop_last and samples % batches.batch_size:
         short = (samples % batches.batch_size, batches.batch_size)
     return n, short
+
+
+_STATEFUL_LOADER = ("StatefulDataLoader", "torchdata.stateful_dataloader.stateful_dataloader")
+_STATEFUL_SAMPLERS = "torchdata.stateful_dataloader.sampler"
 
 
 def check_container(data: Any, what: str) -> None:

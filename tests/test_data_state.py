@@ -22,7 +22,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from snake import AdamW, DataError, Epochs, Placement, SnakeConfig, SnakeError, SnakeTrainer
+from snake import (
+    AdamW,
+    DataError,
+    DataExhausted,
+    Epochs,
+    Placement,
+    SnakeConfig,
+    SnakeError,
+    SnakeTrainer,
+)
 from snake.data_state import Snapshot, check_tree, restore, take
 from snake.epochs import StatefulEpochs
 from tests.helpers import batches, tiny_gpt
@@ -449,3 +458,30 @@ def test_the_batch_record_gives_back_the_shapes_and_names_what_it_cannot_hold():
     ]:
         assert why in spec_error(bad), (bad, why)
     assert "multiple of micro_batches=3" in spec_error(spec, micro_batches=3)
+
+
+@pytest.mark.asyncio
+async def test_a_stateful_loader_says_its_length_as_a_dataloader_does(tmp_path):
+    """A StatefulDataLoader given directly is one pass of len() batches, as a DataLoader:
+    run(steps) past them is refused before it trains, run() without steps trains them all,
+    and a short last batch (drop_last=False) is refused up front. Once its state was loaded
+    (its pass starts part-way) it says no length: the run goes to its end."""
+    rows = Rows(24)  # 6 batches of 4
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=_quiet_loader(rows, batch_size=4, drop_last=True),
+                            config=_cfg(tmp_path / "a")) as t:
+        with pytest.raises(DataError, match="6"):
+            await t.run(7)
+        assert len((await t.run()).steps) == 6
+    short = _quiet_loader(Rows(22), batch_size=4, drop_last=False)
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=short, config=_cfg(tmp_path / "b")) as t:
+        with pytest.raises(DataError, match="drop_last=True"):
+            await t.run(6)
+    first = _quiet_loader(rows, batch_size=4, drop_last=True)
+    it = iter(first)
+    next(it), next(it)
+    resumed = _quiet_loader(rows, batch_size=4, drop_last=True)
+    resumed.load_state_dict(first.state_dict())
+    async with SnakeTrainer(tiny_gpt(n_layer=2), data=resumed, config=_cfg(tmp_path / "c")) as t:
+        with pytest.raises(DataExhausted) as ran_out:  # not refused up front: its 4 batches trained
+            await t.run(7)
+        assert len(ran_out.value.report.steps) == 4
