@@ -594,6 +594,13 @@ def _hf_pair(batch: Mapping[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if x is not None and not isinstance(x, torch.Tensor):
             raise DataError(f"data: batch[{name!r}] must be a torch.Tensor, got {type(x).__name__}{_as_tensor(x)}")
     assert isinstance(ids, torch.Tensor)
+    given = {name: x for name, x in (("input_ids", ids), ("labels", labels), ("attention_mask", mask)) if x is not None}
+    devices = {x.device for x in given.values()}
+    meta = any(d.type == "meta" for d in devices)
+    if len(devices) > 1 or meta:  # (checked before any of their values is read)
+        where = ", ".join(f"{name} on {x.device}" for name, x in given.items())
+        raise DataError(f"data: a batch's tensors are {where}; give them all on the CPU (or all on the training "
+                        f"device){'; a meta tensor holds no values' if meta else ''}")
     if ids.dim() != 2:
         raise DataError(f"data: batch['input_ids'] must have shape (batch, seq), got {tuple(ids.shape)}")
     if ids.dtype not in (torch.long, torch.int32):
