@@ -83,6 +83,19 @@ def _write_file(path: Path, data: bytes) -> dict[str, Any]:
 
 
 def _fsync_dir(path: Path) -> None:
+    """fsync a directory (the new checkpoint's, before it is published); its failure is a
+    StorageError that says the target is unchanged."""
+    try:
+        _sync_dir(path)
+    except OSError as exc:
+        raise StorageError(
+            exc.errno if isinstance(exc.errno, int) else errno.EIO,
+            f"save: syncing the new checkpoint's directory {path.name} failed ({exc}); the target and any "
+            f"checkpoint there are unchanged. Check the disk of {path.parent} or save somewhere else",
+        ) from exc
+
+
+def _sync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -197,9 +210,17 @@ def _publish(tmp: Path, target: Path) -> None:
         if aside is not None:
             _rename(aside, target)
         raise
-    _fsync_dir(target.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        _sync_dir(target.parent)
+    except OSError as exc:  # the new checkpoint is in place, whole: the old one goes all the same
+        raise StorageError(
+            exc.errno if isinstance(exc.errno, int) else errno.EIO,
+            f"save: the new checkpoint replaced {target}, but syncing {target.parent} failed ({exc}), so the "
+            "replacement may not survive a crash of the machine; check that disk and save again",
+        ) from exc
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 # -- loading ----------------------------------------------------------------------------
