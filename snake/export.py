@@ -120,7 +120,30 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
                 f"builds it as {tuple(ours[key].shape)}; was its manifest.json edited? Export in the process that "
                 "trained it with snake.hf.export_hf(await trainer.state_dict(), model, out)"
             )
+    _source_generation(model, manifest)
     return _with_tokenizer(export_hf(sd, model, out), manifest)
+
+
+def _source(manifest: dict[str, Any]) -> str | None:
+    """The local directory the model was loaded from (its config's `_name_or_path`), if any."""
+    source = (manifest.get("model_config") or {}).get("_name_or_path")
+    return source if isinstance(source, str) and source and Path(source).is_dir() else None
+
+
+def _source_generation(model: Any, manifest: dict[str, Any]) -> None:
+    """Give `model` the generation config of the directory it was loaded from (sampling,
+    lengths, special tokens), as from_pretrained gave the trained model, where it has one:
+    the export generates as the source did, not with defaults derived from the config."""
+    source = _source(manifest)
+    if source is None or not (Path(source) / "generation_config.json").is_file():
+        return
+    try:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as e:
+        log.warning("export: the generation config of %s was not read (%s); the export's is the config's", source,
+                    type(e).__name__)
 
 
 def _with_tokenizer(out: Path, manifest: dict[str, Any]) -> Path:
@@ -128,8 +151,8 @@ def _with_tokenizer(out: Path, manifest: dict[str, Any]) -> Path:
     `_name_or_path`, where that is a local directory that has one) saved beside the exported
     weights, so that the export is a model directory to use or train again as it is; none
     where there is none (logged)."""
-    source = (manifest.get("model_config") or {}).get("_name_or_path")
-    if not isinstance(source, str) or not source or not Path(source).is_dir():
+    source = _source(manifest)
+    if source is None:
         return out
     try:
         from transformers import AutoTokenizer
@@ -155,13 +178,21 @@ def _model_and_state(checkpoint: str | Path, kind: str, config: dict[str, Any],
         hf_config, sd = gpt_to_gpt2(config, masters)
         return sd, GPT2LMHeadModel(hf_config)
     model_type = config.pop("model_type")
-    hf_config = AutoConfig.for_model(model_type, **config)
-    cls = causal_lm_class(hf_config)
-    model = cls.from_config(hf_config) if cls is AutoModelForCausalLM else cls._from_config(hf_config)
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    canonical = {name: names[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+    def build(**changes: Any) -> tuple[Any, dict[str, str]]:
+        hf_config = AutoConfig.for_model(model_type, **{**config, **changes})
+        cls = causal_lm_class(hf_config)
+        model = cls.from_config(hf_config) if cls is AutoModelForCausalLM else cls._from_config(hf_config)
+        names: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        return model, {name: names[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+    model, canonical = build()
+    if any(key != src and key in masters for key, src in canonical.items()):
+        # a weight the config ties (the head to the embedding) that the trained model held
+        # apart, trained on its own (its head given a weight after it was built): untied
+        model, canonical = build(tie_word_embeddings=False)
     sd = {}
     fresh = []  # what the checkpoint does not hold: the config's initial value
     for key, value in model.state_dict().items():
@@ -169,6 +200,14 @@ def _model_and_state(checkpoint: str | Path, kind: str, config: dict[str, Any],
         sd[key] = masters[src] if src in masters else masters.get(key, value)
         if src not in masters and key not in masters:
             fresh.append(key)
+    left = sorted(set(masters) - set(sd) - set(canonical.values()))
+    if left:  # a tensor added after the model was built (a head's bias): the config builds no place for it
+        raise SnakeError(
+            f"export: {checkpoint} holds {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}, which the model "
+            "its recorded config builds has no place for (the model was changed after it was built); export in "
+            "the process that trained it with snake.hf.export_hf(await trainer.state_dict(), model, out), or load "
+            "its weights with snake.export.read_masters and save them yourself"
+        )
     if fresh:
         # a checkpoint saved before they were stored holds no buffers (a layer's own scale or
         # routing bias, which the config does not give); any other missing tensor would be
@@ -313,6 +352,7 @@ def _export_merged(checkpoint: str | Path, manifest: dict[str, Any], masters: di
         raise SnakeError(f"export --hf: {checkpoint} records no active adapter to merge; export them with --peft")
     _untie_adapted_head(model.get_base_model())
     merged = model.merge_and_unload(adapter_names=active)
+    _source_generation(merged, manifest)
     return _with_tokenizer(export_hf(merged.state_dict(), merged, out), manifest)
 
 

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -112,10 +113,19 @@ def model_config(parts: ModelParts) -> dict[str, Any] | None:
         return {"kind": "snake.gpt", **dataclasses.asdict(model.config)}
     cfg = getattr(model, "config", None)
     to_dict = getattr(cfg, "to_dict", None)
-    if callable(to_dict):
-        # a PEFT model's layers hold adapters its config does not build (`snake export` refuses)
-        return {"kind": "transformers+peft" if has_peft_layers(model) else "transformers", **to_dict()}
-    return None
+    if not callable(to_dict):
+        return None
+    # a PEFT model's layers hold adapters its config does not build (`snake export` refuses)
+    out = {"kind": "transformers+peft" if has_peft_layers(model) else "transformers", **to_dict()}
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):  # the model's, as save_pretrained records it (a model cast
+        # with .to() keeps the dtype it was built with in its config)
+        for key in [k for k in ("dtype", "torch_dtype") if k in out] or ["dtype"]:
+            out[key] = str(dtype).removeprefix("torch.")
+    source = out.get("_name_or_path")
+    if isinstance(source, str) and source and not os.path.isabs(source) and os.path.isdir(source):
+        out["_name_or_path"] = os.path.abspath(source)  # the directory it was loaded from, wherever export runs
+    return out
 
 
 def peft_record(parts: ModelParts) -> dict[str, Any] | None:

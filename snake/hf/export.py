@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -34,6 +35,19 @@ def _check_export_space(model: nn.Module, out: Path) -> None:
         )
 
 
+def _drop_stale_index(out: Path) -> None:
+    """Remove a sharded model's index that names shards no longer there: save_pretrained over
+    a directory that held one removes the old shards but not their index, which loaders read
+    first (a directory of one model.safetensors and an index of shards gone)."""
+    index = out / "model.safetensors.index.json"
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # none, or not one save_pretrained writes: left as it is
+    if not all((out / name).is_file() for name in shards):
+        index.unlink()
+
+
 def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir: str | os.PathLike[str]) -> Path:
     """Load `state_dict` (e.g. `await trainer.state_dict()`) into `model` (strictly, cast to
     the model's dtypes) and save it with `save_pretrained` as safetensors in `out_dir`, which
@@ -58,6 +72,7 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir:
     _check_export_space(model, out)
     out.mkdir(parents=True, exist_ok=True)
     save(str(out))  # safetensors is the default (the only format in transformers >= 5)
+    _drop_stale_index(out)
     if not any(out.glob("*.safetensors")):
         raise ModelError(f"export_hf: save_pretrained wrote no safetensors file in {str(out)!r}")
     return out

@@ -3,6 +3,7 @@ files (mapped) until snake copies them into its tiers, one layer at a time."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -20,6 +21,8 @@ from snake.hf.files import _gone, _read, _safetensors_keys, _Stored, _stored_sha
 from snake.hf.load import _parameters_on_meta, _text_tensors, causal_lm_class, text_part
 from snake.hf.parts import _describe_hf
 from snake.hf.peft_layers import _peft_unwrapped
+
+log = logging.getLogger("snake")
 
 
 def stream_hf(
@@ -79,6 +82,7 @@ def stream_hf(
             if impl == impls[-1] or "scaled_dot_product_attention" not in str(e):
                 raise
     model.eval()  # as from_pretrained returns it
+    _generation_config(model, directory)
     parts = _describe_hf(model)
     if parts is None:
         raise ModelError(f"stream_hf: snake does not know how the layers of {type(model).__name__} compose; it recognises {supported()}")
@@ -335,3 +339,17 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, _Stored]) -> 
             )
 
     return load
+
+
+def _generation_config(model: Any, directory: Path) -> None:
+    """The directory's generation_config.json, as from_pretrained reads it (sampling,
+    lengths, special tokens: what export_hf saves beside the weights), where it has one."""
+    if not (directory / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as e:
+        log.warning("stream_hf: %s's generation_config.json was not read (%s); the config's is used",
+                    directory, type(e).__name__)
