@@ -165,9 +165,13 @@ def vertical_phases(profile, n: int, alpha: float, frozen_from_disk: bool = Fals
     # own; alpha = 1 leaves only the delayed one
     split = 1 + (0 < a < 1)
     # the delayed gradient: written after the backward, read for its step; but layer 0's
-    # stays in its staging buffer (its delayed step comes next, snake.plans.grad_stays)
-    moved = (profile.shape.n_layers - 1) / profile.shape.n_layers
-    gb = a * GRAD_BYTES_PER_ELEM * p * moved
+    # stays in its staging buffer (its delayed step comes next, snake.plans.grad_stays):
+    # its bytes, and its operations where it trains (the layers below the lowest trained
+    # one have no gradient)
+    shape = profile.shape
+    first = shape.layer_params if shape.first_layer_params is None else shape.first_layer_params
+    gb = a * GRAD_BYTES_PER_ELEM * max(shape.n_layers * p - first, 0.0) / shape.n_layers
+    moved = (round(shape.bwd_share * shape.n_layers) - (first > 0)) / shape.n_layers
     # the share of the layers with a backward (`ModelShape.bwd_share`): the layers below run
     # none, so load neither their frozen weights nor their checkpoints for it, and their
     # checkpoints go on to the next forward stage unwritten (the trained elements' means, p,

@@ -175,6 +175,7 @@ def param_counts(parts: ModelParts, dtype: str, *, pre: bool | None = None) -> d
         fp32_params=kept_fp32_params(parts),
         resident_params=sum(p.numel() for _, p in resident_named_params(parts)),
         bwd_layers=len(parts.blocks) - lowest if lowest else None,
+        first_layer_params=sizes[0] if sizes[0] != -(-sum(sizes) // len(sizes)) else None,
     )
 
 

@@ -174,6 +174,7 @@ class Engine:
         self._warn_frozen_from_disk()
         k.resident.io = self.executors["io"]  # the resident state's transfers, where it is on SSD
         k.resident.progress = tracer.progress
+        k.resident.now = tracer.now
         k.stop = k.resident.stop = self.stop
         self.marks = stream_marks(device)
 

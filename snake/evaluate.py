@@ -276,6 +276,9 @@ async def _load_traced(e: Engine, layer: int, slot: torch.Tensor, buf: HostBuffe
             e.tracer.moved(link, nbytes)
     if not any(actor == "h2d" for actor, *_ in times):  # used in place (a CPU device): moved, not copied
         e.tracer.moved("cpu->gpu", e.layer_P[layer] * e.stores["param"].esize)
+    frozen = e.kernels.frozen_host[layer]
+    if frozen is not None and e.device.type == "cpu":  # read in place too: moved, not copied
+        e.tracer.moved("cpu->gpu", frozen.numel() * frozen.element_size())
     return params
 
 

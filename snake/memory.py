@@ -92,6 +92,9 @@ class ModelShape:
     # layers with a backward where fewer than n_layers (`snake.adapters.lowest_backward`: a
     # fine-tune of the top layers runs only the forward below the lowest trained one)
     bwd_layers: int | None = None
+    # trained elements of layer 0 where they are not layer_params (a frozen first layer: none),
+    # whose delayed gradient stays in its staging buffer (`snake.plans.grad_stays`)
+    first_layer_params: int | None = None
 
     @property
     def bwd_share(self) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Executor, Future
@@ -53,6 +54,10 @@ class ResidentState:
         self.stage: HostBuffer | None = None  # the first of them (saves, loads)
         self.io: Executor | None = None  # the SSD threads the step's transfers run on (the engine's)
         self.progress: Callable[[], None] | None = None  # called per chunk (the stall watchdog's)
+        self.now: Callable[[], float] = time.perf_counter  # the tracer's clock (the engine's)
+        # the step's SSD transfers, (actor, label, start, end, link, bytes) each, for the
+        # trace: taken on the loop (`take_transfers`)
+        self.transfers: list[tuple[str, str, float, float, str, int]] = []
         # one chunk's gradient on the host: the state on SSD, or in CPU memory with a GPU
         self.gstage: torch.Tensor | None = None
         self._initial = list(params) if on_ssd else []  # written to the store once
@@ -119,8 +124,17 @@ class ResidentState:
         io, bufs = self.io, self.stages
         writes: list[Future[None] | None] = [None, None]  # the last write from each buffer
         pending: list[Future[None]] = []
+
+        def timed(write: bool, u: Unit, buf: HostBuffer) -> None:
+            start = self.now()
+            try:
+                (store.write_tail if write else store.read_tail)(u, buf)
+            finally:
+                self.transfers.append(("ssd_write" if write else "ssd_read", "resident opt", start, self.now(),
+                                       "cpu->ssd" if write else "ssd->cpu", store.tail_bytes(u)))
+
         try:
-            read = io.submit(store.read_tail, chunks[0][1], bufs[0])
+            read = io.submit(timed, False, chunks[0][1], bufs[0])
             pending.append(read)
             with torch.no_grad():
                 for j, (i, u, a) in enumerate(chunks):
@@ -131,7 +145,7 @@ class ResidentState:
                         other = writes[(j + 1) % 2]
                         if other is not None:
                             other.result()
-                        read = io.submit(store.read_tail, chunks[j + 1][1], bufs[(j + 1) % 2])
+                        read = io.submit(timed, False, chunks[j + 1][1], bufs[(j + 1) % 2])
                         pending.append(read)
                     t = store.tail(u, buf)
                     g = gbuf[: u.n]
@@ -139,7 +153,7 @@ class ResidentState:
                     adamw_step([t[0]], [g], [t[1]], [t[2]], step=step - skips[i], opt=self.opt, lr=self.opt.lr_at(step),
                                decay=[self.decay[i]])
                     self.dev[i].view(-1)[a : a + u.n].copy_(t[0])
-                    writes[j % 2] = w = io.submit(store.write_tail, u, buf)
+                    writes[j % 2] = w = io.submit(timed, True, u, buf)
                     pending.append(w)
                     if self.progress is not None:  # a long step is not a stall
                         self.progress()
@@ -148,6 +162,11 @@ class ResidentState:
         finally:  # a failure: the other transfers end before the buffers are used again
             futures.wait(pending)
         return 2 * sum(store.tail_bytes(u) for _, u, _ in chunks)
+
+    def take_transfers(self) -> list[tuple[str, str, float, float, str, int]]:
+        """The SSD transfers of the steps since the last call (the trace's spans)."""
+        out, self.transfers = self.transfers, []
+        return out
 
     def sizes(self) -> list[tuple[tuple[str, int], int]]:
         """The resident-on-SSD store's units: each resident parameter in chunks of

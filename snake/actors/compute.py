@@ -205,7 +205,11 @@ class Compute(Actor):
             if e.clip is not None:  # every layer's gradient norms are in: the coefficient is the step's
                 await e.clip.layers_in(t)
                 clip = functools.partial(e.clip.finish, t)
-            moved = await self._k("resident step", e.kernels.resident_step, t + 1, clip)
+            try:
+                moved = await self._k("resident step", e.kernels.resident_step, t + 1, clip)
+            finally:  # its SSD transfers (the state there), traced as the storage movers' are
+                for actor, label, start, end, link, nbytes in e.kernels.resident.take_transfers():
+                    e.tracer.add(actor, label, start, end, link=link, bytes=nbytes)
             if e.clip is not None:
                 e.clip.mark_ready(t)
             if moved:  # the resident optimizer state on SSD: read and written back once each

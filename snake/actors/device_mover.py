@@ -98,8 +98,9 @@ class HostToDevice(Actor):
             for part, n in enumerate(e.layer_parts[layer]):
                 if n:
                     await e.ledger.wait_for(("param", layer, part), op.t)
-            await e.link_wait("cpu->gpu", e.layer_P[layer] * store.esize)
-            e.traffic.add(op.t, "cpu", "gpu", "param", e.layer_P[layer] * store.esize)
+            moved = e.layer_P[layer] * store.esize + self._frozen_in_place(layer)
+            await e.link_wait("cpu->gpu", moved)
+            e.traffic.add(op.t, "cpu", "gpu", "param", moved)
             await self.compute.put(ParamsOnDevice(op.t, op.g, layer, view, pooled=False))
             return
         slot = await e.param_slots.acquire()
@@ -121,18 +122,28 @@ class HostToDevice(Actor):
             if frozen is not None and e.device.type != "cpu":  # the layer's streamed frozen parameters, after
                 pairs.append((slot[off : off + frozen.numel()], frozen))  # its trained ones (a CPU device
                 off += frozen.numel()  # reads them where they are: `Kernels.frozen_views`)
-            nbytes = off * store.esize
+            nbytes = off * store.esize  # copied
+            moved = nbytes + self._frozen_in_place(layer)
             try:
-                await e.link_wait("cpu->gpu", nbytes)
+                await e.link_wait("cpu->gpu", moved)
                 await self.work(e.executors["h2d"], f"param L{layer}", self.copier.copy, pairs, link="cpu->gpu", bytes=nbytes)
             finally:
                 for m in tails:
                     m.pool.release(m.buf)
-            e.traffic.add(op.t, "cpu", "gpu", "param", nbytes)
+            e.traffic.add(op.t, "cpu", "gpu", "param", moved)
         except BaseException:
             e.param_slots.release(slot)
             raise
         await self.compute.put(ParamsOnDevice(op.t, op.g, layer, slot))
+
+    def _frozen_in_place(self, layer: int) -> int:
+        """Bytes of the layer's streamed frozen parameters that a CPU device reads where they
+        are: moved by the schedule as a GPU's copy moves them (the traffic, the emulated
+        link, the planner's count), though nothing is copied."""
+        frozen = self.e.kernels.frozen_host[layer]
+        if frozen is None or self.e.device.type != "cpu":
+            return 0
+        return frozen.numel() * frozen.element_size()
 
     def _cpu_view(self, layer: int) -> torch.Tensor | None:
         """When the device is the CPU and the layer lives wholly in CPU memory, its flat
