@@ -654,10 +654,13 @@ def split_batch(
     device: torch.device,
     expect_shape: torch.Size | None,
     vocab: Vocab,
+    no_targets_ok: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int, int | None]:
     """Validate one global batch and split it: (inputs per micro-batch, targets per
     micro-batch, target tokens, targets trained on where some are IGNORE_INDEX, else None).
-    Raises DataError naming what is wrong."""
+    Raises DataError naming what is wrong. `no_targets_ok`: a batch whose every target is
+    IGNORE_INDEX is taken (an evaluation's: it adds no token to the mean), not refused as a
+    training step's (its loss would be 0/0)."""
     inputs, targets = pair_of(item)
     for name, x in (("inputs", inputs), ("targets", targets)):
         if not isinstance(x, torch.Tensor):
@@ -725,7 +728,7 @@ def split_batch(
                 )
     elif n_ignored < targets.numel() and (lo := int(targets[~ignored].min())) < 0:
         raise DataError(f"data: target ids must be >= 0 or {IGNORE_INDEX} (not trained on), got min {lo}")
-    if n_ignored == targets.numel():
+    if n_ignored == targets.numel() and not no_targets_ok:
         raise DataError(
             f"data: every target of the batch is {IGNORE_INDEX} (not trained on): its loss would be 0/0; "
             "leave such batches out"

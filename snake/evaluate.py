@@ -30,7 +30,7 @@ import torch
 
 from snake.blocking import retrieved, run_blocking, settle
 from snake.buffers import HostBuffer
-from snake.data import Vocab, check_container, next_raised, split_batch
+from snake.data import IGNORE_INDEX, Vocab, check_container, next_raised, split_batch
 from snake.device import Copier, helper_thread_init, synchronize
 from snake.errors import ConfigError, DataError
 from snake.io.base import align_up
@@ -128,7 +128,7 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
         item = await next_batch()
         if item is _END:
             raise DataError("evaluate: data gave no batch; give at least one (inputs, targets) batch")
-        split_batch(item, micro_batches=1, device=trainer.device, expect_shape=None, vocab=Vocab())
+        split_batch(item, micro_batches=1, device=trainer.device, expect_shape=None, vocab=Vocab(), no_targets_ok=True)
         first.append(item)
         if trainer.engine is None:
             await trainer._setup()
@@ -142,6 +142,9 @@ async def evaluate_model(trainer: SnakeTrainer, data: Any, max_batches: int | No
                                                                   batches_per_pass)
         finally:
             arena.close()
+        if not tokens:  # each batch may have none (padding alone), but not all of them
+            raise DataError(f"evaluate: every target of the {batches} batches evaluated is {IGNORE_INDEX} (not "
+                            "trained on): their mean loss would be 0/0; give batches with targets")
         return EvalReport(loss_sum / tokens, tokens, batches, time.perf_counter() - t0, passes)
     finally:
         if data_ex is not None:  # joined unless the user's next() still runs there
@@ -335,7 +338,7 @@ def _split(trainer: SnakeTrainer, e: Engine, item: Any) -> tuple[list[torch.Tens
     """Validate a batch as training does and cut it into micro-batches of at most the
     training micro-batch's rows, on the CPU."""
     ins, tgs, _, _ = split_batch(item, micro_batches=1, device=torch.device("cpu"), expect_shape=None,
-                                 vocab=trainer._vocab)
+                                 vocab=trainer._vocab, no_targets_ok=True)
     rows = max(1, e.input_shape[0] // e.M)
     return list(ins[0].split(rows)), list(tgs[0].split(rows))
 

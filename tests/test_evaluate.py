@@ -149,10 +149,30 @@ async def test_bad_arguments_and_batches_are_refused_and_the_trainer_goes_on(tmp
             await t.evaluate([(x, y.int())])
         with pytest.raises(DataError, match="token ids must be in"):
             await t.evaluate([(x + 1000, y)])
-        with pytest.raises(DataError, match="every target"):
-            await t.evaluate([(x, torch.full_like(y, -100))])
+        with pytest.raises(DataError, match="every target of the 2 batches evaluated is -100"):
+            await t.evaluate([(x, torch.full_like(y, -100))] * 2)
         await t.run(1)
         assert (await t.evaluate(held_out())).batches == 2
+
+
+@pytest.mark.asyncio
+async def test_a_batch_without_targets_adds_nothing_to_the_mean(tmp_path):
+    """A held-out batch of padding alone (every target -100: a collator's last batch of short
+    rows) is evaluated, adding no token: the mean over the others is PyTorch's, and a run
+    would refuse it as a step (its loss 0/0)."""
+    cfg = SnakeConfig(micro_batches=2, offload_dir=tmp_path, placement=MIXED, alpha=0.0, device="cpu")
+    model = tiny_gpt(n_layer=2)
+    held = held_out()
+    x, y = held[0]
+    empty = (x, torch.full_like(y, -100))
+    async with SnakeTrainer(model, data=batches(3, 4), config=cfg) as t:
+        await t.run(1)
+        state = await t.state_dict()
+        for data in ([empty, *held], [held[0], empty, held[1]]):
+            got = await t.evaluate(data, batches_per_pass=1)
+            want, count = torch_eval_loss(model, state, held)
+            assert (got.batches, got.tokens) == (3, count)
+            assert got.loss == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.asyncio
