@@ -148,8 +148,8 @@ def mapped_frozen_bytes(shape) -> float:
 def vertical_phases(profile, n: int, alpha: float, frozen_from_disk: bool = False) -> tuple[Phase, ...]:
     """Layer-major (GreedySnake): one forward and one backward stage per layer.
 
-    Forward: params in; n-1 checkpoints in (the snake order carries one on the device) and
-    n out; the SSD share of the output checkpoints written (the next stage gets its inputs
+    Forward: params in; n-1 checkpoints in (the snake order carries one on the device; none
+    into layer 0, whose inputs are the embedding's) and n out; the SSD share of the output checkpoints written (the next stage gets its inputs
     from the CPU copies of those writes, never read back from SSD); the
     delayed alpha share of the optimizer step (opt read + written, param tail written, its
     gradient's SSD share read). Backward: params, n checkpoints and n-1 inter-layer gradients
@@ -181,7 +181,8 @@ def vertical_phases(profile, n: int, alpha: float, frozen_from_disk: bool = Fals
     fwd = Traffic(
         compute_seconds=n * profile.fwd_seconds,
         adam_elems=a * p,
-        h2d_bytes=lb + (n - 1) * cb,
+        # layer 0's forward loads no checkpoint (its inputs are the embedding's, on the device)
+        h2d_bytes=lb + (n - 1) * cb * (shape.n_layers - 1) / shape.n_layers,
         d2h_bytes=(n - (1 - f)) * cb,  # below, the one carried on the device is not stored
         ssd_read=(pb, 0.0, a * ob, gb),
         ssd_write=(a * pb, f * n * cb, a * ob, 0.0),

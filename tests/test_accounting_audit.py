@@ -21,6 +21,7 @@ from collections import Counter
 import pytest
 import torch
 
+from planner.model import phases_for
 from planner.profile import MachineProfile, shape_of_parts
 from planner.solve import Plan, solve
 from snake import DynamicLossScale, Placement, SnakeConfig, SnakeTrainer
@@ -248,6 +249,29 @@ async def test_traffic_is_what_the_backend_moves_and_the_model_predicts(tmp_path
     plan = solve(profile(model, rows, dtype), n_micro=m, alpha=alpha, schedule=schedule, placement=pl)
     assert isinstance(plan, Plan)
     assert plan.ssd_bytes_per_iteration == pytest.approx(sum(per_iteration.values()), rel=1e-9)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("schedule", "m", "alpha"), [("vertical", 4, 0.5), ("vertical", 1, 0.0),
+                                                      ("horizontal", 3, 0.5)])
+async def test_the_time_models_device_link_bytes_are_what_the_runtime_moves(tmp_path, schedule, m, alpha):
+    """The planner's per-layer phases, summed over the layers, move what traffic() counts
+    across the device link each way (parameters, checkpoints, inter-layer and parameter
+    gradients): its time model prices the bytes the runtime moves (layer 0's forward loads
+    no checkpoint: its inputs are the embedding's)."""
+    model, rows = gpt(), 1
+    cfg = config(tmp_path, micro_batches=m, placement=Placement(param=0.5, ckpt=0.5, opt=0.5), alpha=alpha,
+                 schedule=schedule)
+    async with SnakeTrainer(model, data=batches(2, rows * m), config=cfg) as t:
+        await asyncio.wait_for(t.run(2), 60)
+        traffic = t.traffic()
+    prof = profile(model, rows, "float32")
+    phases = phases_for(prof, m, alpha, schedule)
+    n = prof.shape.n_layers
+    for src, dst, field in (("cpu", "gpu", "h2d_bytes"), ("gpu", "cpu", "d2h_bytes")):
+        moved = sum(v for (a, b, _), v in traffic.items() if (a, b) == (src, dst))
+        predicted = n * sum(ph.count * getattr(ph.traffic, field) for ph in phases)
+        assert predicted == pytest.approx(moved, rel=1e-9), (src, dst, traffic)
 
 
 # -- the files under offload_dir, and the CPU heads ---------------------------------------
