@@ -104,25 +104,7 @@ class Engine:
         self.traffic = Traffic(tracer)
         self.ledger = Ledger()
         self.kernels = k = Kernels(parts, config, device, self.M)
-        self.N = len(parts.blocks)
-        # elements of each layer (of its kind: layers of several kinds differ), and of the
-        # largest: the size of the device slots and gradient buffers any layer passes through
-        self.layer_P = [k.kind_params[kind] for kind in k.kinds]
-        self.P = k.layer_params
-        self.dtype = k.dtype
-        self.hidden_dtype = k.hidden_dtype  # checkpoints and their gradients
-        # no backward below the lowest layer that trains anything where the embedding trains
-        # nothing (frozen bottom layers: autograd runs none there either)
-        self.pre_trains = pre_trains(parts)
-        self.lowest = lowest_backward(parts, self.pre_trains) if self.skip_frozen_backward else 0
-        self.stages = build_schedule(self.N, self.M, config.schedule, self.lowest)
-        # the outputs a later stage loads, and so stores: below the lowest layer with a
-        # backward, a checkpoint that stays on the device for the next stage is not stored
-        self.stored = stored_outputs(self.stages, self.N)
-        self.S = len(self.stages)
-        self.layer_parts = _split_parts(self.layer_P, self.alpha)
-        self.delayed = any(n_del for _n_now, n_del in self.layer_parts)
-        self.plans = Plans(self.stages, self.N, delayed=self.delayed)
+        self._layout(parts, config)
         self.ckpt_shape = ckpt_shape
         self.input_shape = input_shape
         self.ckpt_elems = int(torch.Size(ckpt_shape).numel())
@@ -142,6 +124,37 @@ class Engine:
         self.clip = GradClip(mg, parts, k.scaler, lowest=self.lowest) if mg is not None or k.scaler is not None else None
         self.failed = False
         self.fault_hook = None  # tests: async (actor, label) -> None before each piece of work
+        self._build(config, device, offload_dir, data_executor)
+
+    def _layout(self, parts: ModelParts, config: SnakeConfig) -> None:
+        """The layers' sizes and how they split into now/delayed parts, and the schedule:
+        its stages, the outputs it stores and the actors' plans."""
+        k = self.kernels
+        self.N = len(parts.blocks)
+        # elements of each layer (of its kind: layers of several kinds differ), and of the
+        # largest: the size of the device slots and gradient buffers any layer passes through
+        self.layer_P = [k.kind_params[kind] for kind in k.kinds]
+        self.P = k.layer_params
+        self.dtype = k.dtype
+        self.hidden_dtype = k.hidden_dtype  # checkpoints and their gradients
+        # no backward below the lowest layer that trains anything where the embedding trains
+        # nothing (frozen bottom layers: autograd runs none there either)
+        self.pre_trains = pre_trains(parts)
+        self.lowest = lowest_backward(parts, self.pre_trains) if self.skip_frozen_backward else 0
+        self.stages = build_schedule(self.N, self.M, config.schedule, self.lowest)
+        # the outputs a later stage loads, and so stores: below the lowest layer with a
+        # backward, a checkpoint that stays on the device for the next stage is not stored
+        self.stored = stored_outputs(self.stages, self.N)
+        self.S = len(self.stages)
+        self.layer_parts = _split_parts(self.layer_P, self.alpha)
+        self.delayed = any(n_del for _n_now, n_del in self.layer_parts)
+        self.plans = Plans(self.stages, self.N, delayed=self.delayed)
+
+    def _build(self, config: SnakeConfig, device: torch.device, offload_dir: Path,
+               data_executor: ThreadPoolExecutor) -> None:
+        """Blocking: the tiers' files and stores, the pools, gradient buffers and executors;
+        on failure what was made is closed and the model's modes given back."""
+        k, tracer = self.kernels, self.tracer
         bucket = TokenBucket(config.ssd_bandwidth_bytes_per_s) if config.ssd_bandwidth_bytes_per_s else None
         link = config.device_link_bytes_per_s  # an emulated host<->device link: one bucket per direction
         self.links = {d: TokenBucket(link) for d in ("cpu->gpu", "gpu->cpu")} if link else {}
