@@ -90,8 +90,10 @@ def export_checkpoint_hf(checkpoint: str | Path, out: str | Path) -> Path:
     config = manifest.get("model_config")
     if not config:
         raise SnakeError(
-            f"export: {checkpoint} does not record its model's config (a custom ModelParts model?); "
-            "load its weights with snake.export.read_masters and save them yourself"
+            f"export: {checkpoint} does not record its model's config: it is of a custom ModelParts model, "
+            "or was saved by a snake from before checkpoints recorded it; for the built-in GPT or a Hugging "
+            "Face model, load it into a trainer of the same model and save it again with this snake, then "
+            "export that; else load its weights with snake.export.read_masters and save them yourself"
         )
     kind = config.pop("kind")
     if kind == "transformers+peft":

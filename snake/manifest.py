@@ -234,6 +234,8 @@ def read_manifest(target: Path, what: str = "load") -> dict[str, Any]:
         raise SnakeError(
             f"{what}: {target} has checkpoint format version {manifest.get('version')!r}; "
             f"this snake reads versions {', '.join(map(str, READS))}"
+            + ("; it was saved by a newer snake: load it with that one, or upgrade this one"
+               if isinstance(manifest.get("version"), int) and manifest["version"] > max(READS) else "")
         )
     for key in ("step", "consumed_batches", "config", "model", "files"):
         if key not in manifest:

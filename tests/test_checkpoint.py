@@ -939,7 +939,7 @@ async def test_a_version_1_checkpoint_loads_and_an_unknown_version_is_refused(tm
             assert torch.equal(got[k], want[k]), k
         path.write_text(json.dumps({**manifest, "version": 3}))
         async with SnakeTrainer(tiny_gpt(n_layer=2, bias=False), data=batches(4, 4), config=config(tmp_path, "c")) as t:
-            with pytest.raises(SnakeError, match="has checkpoint format version 3; this snake reads versions 1, 2"):
+            with pytest.raises(SnakeError, match="has checkpoint format version 3; this snake reads versions 1, 2; it was saved by a newer snake"):
                 await t.load(where)
 
     await asyncio.wait_for(body(), TIMEOUT)
