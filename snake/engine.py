@@ -109,6 +109,7 @@ class Engine:
         self.input_shape = input_shape
         self.ckpt_elems = int(torch.Size(ckpt_shape).numel())
         self.next_t = 0  # next iteration to run
+        self.tail_s = 0.0  # the last run's time after its last step's end (its last on_step)
         self.first_delayed = 0  # delayed steps are due from this iteration on
         self.flush_partial = False  # flush_delayed stopped with some layers stepped, some not
         # per layer, the parameters (by index) its pending delayed step leaves: those without

@@ -89,10 +89,14 @@ class RunReport:
     steps: list[StepReport]
     traffic: dict[tuple[str, str, str], int] = field(default_factory=dict)
     stopped: bool = False  # the run ended early, as `stop()` asked: fewer steps than run(steps)
+    # the time after the last step's end: its on_step's (each other on_step's time is in the
+    # next step's seconds)
+    tail_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return sum(s.seconds for s in self.steps)
+        """The run's wall time from the start of its steps: theirs and the last on_step's."""
+        return sum(s.seconds for s in self.steps) + self.tail_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -221,15 +225,16 @@ class SnakeTrainer:
             )
         except RunStopped as stop:  # ended cleanly before a step not yet begun: the trainer goes on
             traffic = self.engine.traffic.last() if stop.reports and self.engine is not None else {}
+            tail = self.engine.tail_s if self.engine is not None else 0.0
             if to_the_end and isinstance(stop.cause, DataExhausted) and stop.reports:
-                return RunReport(stop.reports, traffic, stopped=False)  # the data's end is the run's
+                return RunReport(stop.reports, traffic, stopped=False, tail_s=tail)  # the data's end is the run's
             if isinstance(stop.cause, ConfigError):  # a step's rate (a run without `steps`)
                 stop.cause.add_note(f"snake: run() stopped cleanly after {len(stop.reports)} steps, before that one: "
                                     f"the trainer holds what they trained and is usable")
                 raise stop.cause from None
             called = "run()" if to_the_end else f"run({steps})"  # as the user called it
             if stop.by == "data":
-                raise _data_stopped(stop, RunReport(stop.reports, traffic), first, called) from stop.cause
+                raise _data_stopped(stop, RunReport(stop.reports, traffic, tail_s=tail), first, called) from stop.cause
             stop.cause.add_note(
                 f"snake: on_step raised this; {called} stopped cleanly after {len(stop.reports)} of its steps "
                 f"(their reports came to on_step): the trainer holds what they trained and is usable")
@@ -246,7 +251,7 @@ class SnakeTrainer:
             self._control = None
             self._end()
         traffic = self.engine.traffic.last() if reports else {}
-        return RunReport(reports, traffic, stopped=control.asked and len(reports) < steps)
+        return RunReport(reports, traffic, stopped=control.asked and len(reports) < steps, tail_s=self.engine.tail_s)
 
     def stop(self) -> bool:
         """Ask the `run()` in progress to end early and cleanly: before its first step not

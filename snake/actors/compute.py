@@ -110,6 +110,7 @@ class StepReport:
     loss: float
     # wall time from the end of the step before (the start of the run for its first) to this
     # step's end, the wait for its batch included: over a run they add up to its wall time
+    # with the last on_step's (RunReport.tail_s; each other on_step's is the next step's)
     seconds: float
     tokens: int
     lr: float  # the optimizer's rate for this step (`AdamW.lr_at`)
@@ -166,6 +167,7 @@ class Compute(Actor):
     async def run(self) -> None:
         e = self.e
         t0 = time.perf_counter()  # the step's start: the run's, then the step before's end
+        e.tail_s = 0.0
         for t in self.clock.iterations():
             self.at(t)
             waited = time.perf_counter()
@@ -229,6 +231,8 @@ class Compute(Actor):
                     self.on_step(report)
                 except Exception as exc:  # the run stops before its next step not begun, then raises it
                     self.clock.request_stop(exc)
+        # the last on_step's time, which no next step takes: the run report's (RunReport.tail_s)
+        e.tail_s = time.perf_counter() - t0 if self.reports else 0.0
         await self.d2h.put(Stop(self.name))
 
     # -- queued jobs --------------------------------------------------------------------
