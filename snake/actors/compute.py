@@ -112,7 +112,7 @@ class StepReport:
     # step's end, the wait for its batch included: over a run they add up to its wall time
     # with the last on_step's (RunReport.tail_s; each other on_step's is the next step's)
     seconds: float
-    tokens: int
+    tokens: int  # the batch's target positions, those at IGNORE_INDEX included (computed over)
     lr: float  # the optimizer's rate for this step (`AdamW.lr_at`)
     # with AdamW.max_grad_norm or a dynamic loss scale: the gradients' global 2-norm, before
     # clipping (what clip_grad_norm_ returns; inf or nan where one overflowed); None without
