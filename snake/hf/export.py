@@ -55,6 +55,13 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], model: nn.Module, out_dir:
     save: Callable[..., Any] | None = getattr(model, "save_pretrained", None)
     if save is None:
         raise ModelError(f"export_hf: {type(model).__name__} is not a transformers model (no save_pretrained)")
+    source = getattr(getattr(model, "snake_layer_weights", None), "directory", None)
+    if isinstance(source, Path) and source.exists() and Path(out_dir).exists() and Path(out_dir).samefile(source):
+        # save_pretrained rewrites its files in place: a trainer of the model reads them (its
+        # layers, the frozen weights it left there), and a mapping of a truncated file is a
+        # SIGBUS at the next touch
+        raise ModelError(f"export_hf: {str(out_dir)!r} is the directory the model streams its layers from "
+                         "(stream_hf); export elsewhere")
     if any(p.is_meta for p in model.parameters()):
         # a model from stream_hf: its layers take the trained tensors (cast to its dtypes;
         # it holds them from now on), and a tied head is tied again

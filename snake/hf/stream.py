@@ -17,7 +17,7 @@ from torch import nn
 from snake.adapters import ModelParts, layer_kinds
 from snake.errors import ModelError
 from snake.hf.families import supported
-from snake.hf.files import _gone, _read, _safetensors_keys, _Stored, _stored_shapes
+from snake.hf.files import _gone, _read, _safetensors_keys, _Stored, _stored_shapes, check_unchanged
 from snake.hf.load import _parameters_on_meta, _text_tensors, causal_lm_class, text_part
 from snake.hf.parts import _describe_hf
 from snake.hf.peft_layers import _peft_unwrapped
@@ -42,8 +42,11 @@ def stream_hf(
     "eager" for a model without SDPA). Weights stored under other names or shapes than the
     model's (the experts of a mixture of experts stored one by one, which transformers 5
     fuses; older names) go through transformers' own conversion, one layer at a time.
-    The directory must stay as it is until training has started (snake reads the layers
-    from it when the trainer builds its tiers): do not export into it. Needs transformers 5."""
+    The directory must stay as it is while the model is in use (snake reads the layers from
+    it when a trainer builds its tiers, and the frozen weights it leaves there whenever it
+    needs them): a file replaced or rewritten since is refused by name at its next read, and
+    `export_hf` into it is refused. The files are read as `from_pretrained` reads them:
+    `model.safetensors`, else the shards its index names. Needs transformers 5."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -171,12 +174,13 @@ class _LayerSource:
         self.load: Callable[[list[str]], Any] | None = None
         if self.direct:
             self._check_shapes({k: t for k, t in state.items() if k in where})
-            eager = {k: _read(where[k], t.dtype if t.is_floating_point() else None)
+            eager = {k: _read(where[k], t.dtype if t.is_floating_point() else None, own=True)
                      for k, t in state.items() if k not in self.lazy and k in where}
             model.load_state_dict(eager, strict=False, assign=True)
             return
         self.load = _converter(model, dtype, where)
         self.load(outside)
+        _own_memory(model, self.prefix)
         for i in range(self.n_layers):  # the layers' stored buffers: by name, or converted with the layer
             head = f"{self.prefix}{i}."
             buffers = [k for k, t in state.items() if k.startswith(head) and not isinstance(t, nn.Parameter)]
@@ -184,10 +188,11 @@ class _LayerSource:
                 continue
             if all(k[len(head):] in self.stored[i] for k in buffers):
                 model.load_state_dict({k: _read(where[self.stored[i][k[len(head):]]],
-                                                state[k].dtype if state[k].is_floating_point() else None)
+                                                state[k].dtype if state[k].is_floating_point() else None, own=True)
                                        for k in buffers}, strict=False, assign=True)
             else:
                 self._converted(i)
+                _own_memory(block_of(model, head), "")
 
     def __call__(self, layer: int) -> Mapping[str, torch.Tensor]:
         if self.direct:
@@ -307,8 +312,10 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, _Stored]) -> 
 
     def load(keys: list[str]) -> None:
         files = {}
-        for file in {where[k].file for k in keys}:
+        for at in {where[k].file: where[k] for k in keys}.values():
+            file = at.file
             try:
+                check_unchanged(at)
                 files[file] = safe_open(str(file), framework="pt")
             except (SafetensorError, OSError) as e:
                 raise _gone(file, e) from None
@@ -339,6 +346,28 @@ def _converter(model: Any, dtype: torch.dtype, where: Mapping[str, _Stored]) -> 
             )
 
     return load
+
+
+def _own_memory(model: nn.Module, prefix: str) -> None:
+    """Give the model's loaded tensors outside `prefix` (the layers') memory of their own:
+    what transformers' conversion loaded may be a view of the file's mapping (a file
+    truncated in place: a SIGBUS at the next touch)."""
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            here = f"{module_name}." if module_name else ""
+            if prefix and here.startswith(prefix):
+                continue
+            for p in module._parameters.values():
+                if p is not None and not p.is_meta:
+                    p.data = p.data.clone()
+            for name, b in module._buffers.items():
+                if b is not None and not b.is_meta:
+                    module._buffers[name] = b.clone()
+
+
+def block_of(model: nn.Module, head: str) -> nn.Module:
+    """The module named by `head` ("model.layers.3.")."""
+    return model.get_submodule(head.rstrip("."))
 
 
 def _generation_config(model: Any, directory: Path) -> None:
