@@ -114,8 +114,9 @@ def test_vertical_link_bytes_count_each_layer_twice_in_and_its_gradient_out():
             "pre_post_seconds": 1e-3, "adam_elems_per_s": 1e9, "h2d_bytes_per_s": 1e9, "d2h_bytes_per_s": 1e9,
             "ssd_read_bytes_per_s": 1e9, "ssd_write_bytes_per_s": 1e9, "cpu_memory_bytes": 2**30, "device_memory_bytes": 2**30}
     h2d, d2h = throughput.vertical_link_bytes(prof, 4)
-    # parameters in for the forward and the backward; checkpoints in (n - 1 + 2n - 1)
-    assert h2d == 8 * (2 * 1000 * 4 + (3 * 4 - 2) * 10 * 4)
+    # parameters in for the forward and the backward; checkpoints in: n - 1 per forward but
+    # layer 0's (its inputs are the embedding's), 2n - 1 per backward
+    assert h2d == 8 * 2 * 1000 * 4 + (7 * (4 - 1) + 8 * (2 * 4 - 1)) * 10 * 4
     # fp32 gradient out once; checkpoints and inter-layer gradients out (n + n - 1)
     assert d2h == 8 * (1000 * 4 + (2 * 4 - 1) * 10 * 4)
 
