@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from snake.errors import ModelError
+from snake.model_features import check_features, hook_signature
 
 PreFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 PostFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -204,6 +205,7 @@ def check_parts(parts: ModelParts) -> None:
             )
     blocks = list(parts.blocks)
     check_blocks(blocks)
+    check_features(parts, blocks)
     check_param_wrappers(parts)
     if not any(p.requires_grad for p in parts.model.parameters()):
         raise ModelError(
@@ -234,12 +236,14 @@ def layer_kinds(blocks: Sequence[nn.Module]) -> tuple[list[int], list[int]]:
     """(each layer's kind, each kind's first layer). Layers of one kind have the same class,
     the same parameter names and shapes and the same submodule classes at the same names:
     one copy of the kind's first block can run any of them with their parameters (and
-    scalar attributes) swapped in. Kinds are numbered in order of first appearance."""
+    scalar attributes) swapped in, and the same hooks (that copy runs its block's). Kinds
+    are numbered in order of first appearance."""
     keys: dict[object, int] = {}
     kinds: list[int] = []
     firsts: list[int] = []
     for i, b in enumerate(blocks):
-        key = (type(b), param_signature(b), tuple((name, type(m)) for name, m in b.named_modules()))
+        key = (type(b), param_signature(b), tuple((name, type(m)) for name, m in b.named_modules()),
+               hook_signature(b))
         if key not in keys:
             keys[key] = len(firsts)
             firsts.append(i)
@@ -578,6 +582,6 @@ def vocab_size(parts: ModelParts) -> int:
     its targets index)."""
     model = parts.model
     p = real_param(model)
-    h = torch.zeros(1, 1, hidden_size(parts), dtype=p.dtype, device=p.device)
-    with _probing(model):
-        return int(parts.post(model, h).shape[-1])
+    with _probing(model):  # the embedding's output, in its dtype (not the first parameter's)
+        h = parts.pre(model, torch.zeros(1, 1, dtype=torch.long, device=p.device))
+        return int(parts.post(model, torch.zeros_like(h)).shape[-1])

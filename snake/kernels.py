@@ -44,6 +44,7 @@ from snake.config import DynamicLossScale, SnakeConfig
 from snake.data import IGNORE_INDEX
 from snake.device import pin_host_memory, synchronize
 from snake.errors import GradientOverflow, Stopped, StorageError
+from snake.model_features import layer_output, reentrant_error
 from snake.optim import decay_flags
 from snake.resident import ResidentState
 from snake.scaler import LossScaler
@@ -529,11 +530,11 @@ class Kernels:
             with torch.enable_grad(), self.rng(t, layer, m):
                 y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(
                     self.layer_input(x, layer).detach().requires_grad_(True), layer)
-            return y.detach().to(self.hidden_dtype).contiguous()
+            return layer_output(y, x, layer).detach().to(self.hidden_dtype).contiguous()
         with torch.no_grad(), self.rng(t, layer, m):
             y = self.bind(self.trained(slot, layer), layer, self.frozen_views(slot, layer))(
                 self.layer_input(x, layer), layer)
-        return y.to(self.hidden_dtype).contiguous()
+        return layer_output(y, x, layer).to(self.hidden_dtype).contiguous()
 
     def head(
         self, h: torch.Tensor, targets: torch.Tensor, t: int, m: int, *, trained: int | None = None
@@ -621,7 +622,13 @@ class Kernels:
             return None
         with torch.enable_grad(), self.rng(t, layer, m):
             y = self.bind(params, layer, self.frozen_views(slot, layer))(x, layer)
-            got = torch.autograd.grad(y, wrt, grad_outputs=gy, allow_unused=True)
+            try:
+                got = torch.autograd.grad(y, wrt, grad_outputs=gy, allow_unused=True)
+            except RuntimeError as e:
+                clear = reentrant_error(e, layer)
+                if clear is None:
+                    raise
+                raise clear from e
         grads: tuple[torch.Tensor | None, ...] = got if input_grad else (None, *got)
         if held:
             self._accumulate_resident(grads[len(grads) - len(held):], held)

@@ -40,6 +40,7 @@ from snake.device import device_memory_bytes, helper_thread_init, on_device, res
 from snake.engine import Engine
 from snake.errors import ConfigError, DataError, DataExhausted, SnakeError, release_frames
 from snake.lr import check_rates
+from snake.model_features import check_flags_unchanged, requires_grad_flags
 from snake.offload_dir import DirLock, check_offload_dir, memory_fs
 from snake.optim import decay_flags
 from snake.runtime import RunControl, RunStopped, run_iterations
@@ -153,6 +154,7 @@ class SnakeTrainer:
         self._task: asyncio.Task[Any] | None = None  # the task of the run/save/load in progress
         self._loop: asyncio.AbstractEventLoop | None = None  # the first run()'s: the engine's queues belong to it
         self._vocab = Vocab()  # measured when the engine is built (_ckpt_shape)
+        self._built_flags: list[tuple[str, bool]] = []  # each parameter's requires_grad then
         # the first batch's shapes and dtypes (`batch_spec`: a checkpoint records them), and
         # a batch of them a load() builds the engine from where the data has none left
         self._batch_spec: dict[str, Any] | None = None
@@ -512,6 +514,8 @@ class SnakeTrainer:
             )
         if self._closed:
             raise SnakeError("this trainer is closed; make a new SnakeTrainer")
+        if self.engine is not None:  # what it trains was fixed when the engine was built
+            check_flags_unchanged(self.parts.model, self._built_flags)
 
     def _find_vocab(self) -> Vocab:
         """The token-id ranges batches are checked against: the model config's vocab_size
@@ -596,6 +600,7 @@ class SnakeTrainer:
                 built.result().close()
             raise
         self.engine = engine
+        self._built_flags = requires_grad_flags(self.parts.model)
         self.config = cfg
         # a sync source's next() and the compute thread's seeded stretches of torch's global
         # generator take turns on a CPU device (`Kernels.rng`)
