@@ -24,6 +24,7 @@ Schedule = Literal["vertical", "horizontal"]
 
 MAX_IO_THREADS = 64
 _FLOAT32_TINY = 2.0**-126  # float32's smallest normal number (torch.finfo(torch.float32).tiny)
+_FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127  # float32's largest (torch.finfo(torch.float32).max)
 MIN_SSD_BANDWIDTH = 1_000_000  # bytes/s: a cap below 1 MB/s makes setup's first writes take hours
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range for a non-negative seed
 
@@ -95,8 +96,11 @@ class DynamicLossScale:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        if not (_finite(self.init_scale) and self.init_scale > 0):
-            raise ConfigError("loss_scale.init_scale", self.init_scale, "must be a finite number > 0",
+        if not (_finite(self.init_scale) and _FLOAT32_TINY <= self.init_scale <= _FLOAT32_MAX):
+            # the scale is float32, as GradScaler's: below its smallest normal number its
+            # reciprocal is not a float32, above its largest it is inf
+            raise ConfigError("loss_scale.init_scale", self.init_scale,
+                              f"must be a number float32 holds, in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}]",
                               "GradScaler's default is 2.0**16")
         if not (_finite(self.growth_factor) and self.growth_factor > 1):
             raise ConfigError("loss_scale.growth_factor", self.growth_factor, "must be a finite number > 1",

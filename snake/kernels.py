@@ -60,6 +60,7 @@ from snake.shells import (
 )
 
 log = logging.getLogger("snake")
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -504,8 +505,24 @@ class Kernels:
         for i, g in zip(range(len(grads)) if at is None else at, grads, strict=True):
             a = self.res_grad[i]
             if g is not None:
-                a.add_(g.reshape(-1).float(), alpha=1.0 / self.scale)
+                self.unscale_into(a, g, accumulate=True)
                 self.res_got[i] = True
+
+    def unscale_into(self, a: torch.Tensor, g: torch.Tensor, *, accumulate: bool) -> None:
+        """`a` (+)= g / scale, in float32. A scale backed off below what float32's reciprocal
+        holds (subnormal, or 0) gives inf, as GradScaler's unscale does: the gradient is not
+        finite (0 * inf is nan), so the step is skipped as an overflow's."""
+        inv = 1.0 / self.scale if self.scale else math.inf
+        if inv > _F32_MAX:
+            u = g.reshape(-1).float() * torch.tensor(math.inf, dtype=torch.float32, device=g.device)
+            if accumulate:
+                a.add_(u)
+            else:
+                a.copy_(u)
+        elif accumulate:
+            a.add_(g.reshape(-1).float(), alpha=inv)
+        else:
+            torch.mul(g.reshape(-1).float(), inv, out=a)
 
     # -- forward ----------------------------------------------------------------------
     def pre(self, idx: torch.Tensor, t: int, m: int) -> torch.Tensor:
@@ -642,10 +659,8 @@ class Kernels:
                 self._no_gradient(t, layer, i)
                 if not accumulate:
                     a.zero_()
-            elif accumulate:
-                a.add_(g.reshape(-1).float(), alpha=1.0 / self.scale)
             else:
-                torch.mul(g.reshape(-1).float(), 1.0 / self.scale, out=a)
+                self.unscale_into(a, g, accumulate=accumulate)
         gx = grads[0]
         if not input_grad:
             return None

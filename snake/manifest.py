@@ -314,7 +314,7 @@ def _check_missed_steps(manifest: dict[str, Any], n_layer: int, damaged: Callabl
 
 
 def _check_loss_scale(manifest: dict[str, Any], damaged: Callable[[str, object, str], SnakeError]) -> None:
-    """`loss_scale` (a dynamic loss scale's state; absent without one): a finite scale > 0
+    """`loss_scale` (a dynamic loss scale's state; absent without one): a finite scale >= 0
     and a growth tracker >= 0."""
     state = manifest.get("loss_scale")
     if state is None:
@@ -322,8 +322,9 @@ def _check_loss_scale(manifest: dict[str, Any], damaged: Callable[[str, object, 
     if not isinstance(state, dict):
         raise damaged("loss_scale", type(state).__name__, "must be a mapping")
     scale, tracker = state.get("scale"), state.get("growth_tracker")
-    if not isinstance(scale, int | float) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
-        raise damaged("loss_scale.scale", scale, "must be a finite number > 0")
+    # (0 where overflow after overflow backed it off past float32's range, as GradScaler's)
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not (math.isfinite(scale) and scale >= 0):
+        raise damaged("loss_scale.scale", scale, "must be a finite number >= 0")
     if not isinstance(tracker, int) or isinstance(tracker, bool) or tracker < 0:
         raise damaged("loss_scale.growth_tracker", tracker, "must be an integer >= 0")
 

@@ -424,7 +424,7 @@ async def test_export_checks_the_checkpoint_as_load_does(tmp_path):
         ("config", None, "config='NoneType', which must be a mapping"),
         ("model", {"block_params": []}, "model.n_layer=None"),
         ("loss_scale", [2.0], "loss_scale='list', which must be a mapping"),
-        ("loss_scale", {"scale": -1.0, "growth_tracker": 0}, "loss_scale.scale=-1.0, which must be a finite number > 0"),
+        ("loss_scale", {"scale": -1.0, "growth_tracker": 0}, "loss_scale.scale=-1.0, which must be a finite number >= 0"),
         ("loss_scale", {"scale": 8.0, "growth_tracker": True}, "loss_scale.growth_tracker=True, which must be an integer >= 0"),
     ],
 )
