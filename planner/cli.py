@@ -423,6 +423,18 @@ def _check_args(args: argparse.Namespace, *, measure: bool) -> None:
         check_offload_dir(args.offload_dir)
 
 
+def _user_paths(args: argparse.Namespace) -> None:
+    """--offload-dir and --plot with a leading ~ expanded (a shell leaves `--plot=~/r.png`
+    as it is), checked and used as one path; an empty --offload-dir is refused, not taken as
+    the current directory."""
+    if not args.offload_dir.strip():
+        raise ConfigError("--offload-dir", args.offload_dir, "is empty",
+                          "give the directory on the disk the SSD tier will use")
+    args.offload_dir = str(Path(args.offload_dir).expanduser())
+    if args.plot is not None:
+        args.plot = str(Path(args.plot).expanduser())
+
+
 def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     """Entry point of `snake plan`. `profile`: use it instead of measuring (tests)."""
     try:
@@ -430,6 +442,7 @@ def plan_main(argv: list[str], *, profile: MachineProfile | None = None) -> int:
     except SystemExit as e:  # --help, or argparse's own error message
         return int(e.code or 0)
     try:
+        _user_paths(args)
         _check_lora(args)
         if isinstance(args.model, HFModel):
             args.model = dataclasses.replace(args.model, lora=args.lora, stream=args.stream, dtype=args.dtype,

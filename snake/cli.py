@@ -308,6 +308,8 @@ def _trace(argv: list[str]) -> int:
     pl.add_argument("-o", "--out", default="timeline.png")
     pl.add_argument("--last", type=_seconds, default=None, help="only the last SECONDS of the trace")
     args = p.parse_args(argv)
+    if args.what == "plot":  # `-o=~/t.png`: a shell leaves the ~ as it is
+        args.out = str(Path(args.out).expanduser())
     if args.what == "plot" and (why := _image_path(args.out)) is not None:
         print(f"snake trace: -o {args.out!r} {why}", file=sys.stderr)
         return 2
@@ -390,11 +392,11 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             if args.peft is not None:
-                _check_export_dir(args.peft, "--peft", "adapter_config.json")  # before the checkpoint is read
-                out = export_checkpoint_peft(args.checkpoint, args.peft)
+                _check_export_dir(args.peft, "--peft", "adapter_config.json", args.checkpoint)  # before it is read
+                out = export_checkpoint_peft(Path(args.checkpoint).expanduser(), Path(args.peft).expanduser())
             else:
-                _check_export_dir(args.hf, "--hf", "config.json")
-                out = export_checkpoint_hf(args.checkpoint, args.hf)
+                _check_export_dir(args.hf, "--hf", "config.json", args.checkpoint)
+                out = export_checkpoint_hf(Path(args.checkpoint).expanduser(), Path(args.hf).expanduser())
         except SnakeError as e:
             print(f"snake export: {e}", file=sys.stderr)
             return 2

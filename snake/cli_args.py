@@ -336,14 +336,21 @@ def _check_checkpoint_dir(text: str, offload_dir: str, out: str) -> None:
     _check_can_create("--checkpoint", text, path.absolute().parent, fix, probe_prefix=f".{path.name}.tmp-probe")
 
 
-def _check_export_dir(text: str, option: str = "--hf", marker: str = "config.json") -> None:
+def _check_export_dir(text: str, option: str = "--hf", marker: str = "config.json", checkpoint: str | None = None) -> None:
     """Refuse now an export path (`option`) that export could not write into: one with
-    files but no `marker` (what a directory of the kind it writes has). Leaves nothing behind."""
+    files but no `marker` (what a directory of the kind it writes has), or one inside the
+    `checkpoint` (the next save there replaces that directory whole, the export with it).
+    Leaves nothing behind."""
     path = Path(text).expanduser()
     what = "Hugging Face model" if option == "--hf" else "PEFT adapter"
     fix = f"pass a new or empty directory you can write to, or a {what} directory to replace"
     if not text.strip():
         raise ConfigError(option, text, "is empty", fix)
+    if checkpoint is not None:
+        ck = Path(checkpoint).expanduser().absolute()
+        if (ck / "manifest.json").is_file() and (path.absolute() == ck or ck in path.absolute().parents):
+            raise ConfigError(option, text, f"is inside the checkpoint {checkpoint}, which the next save there "
+                              "replaces whole (the export with it)", "export beside the checkpoint, not into it")
     if path.exists() and not path.is_dir():
         raise ConfigError(option, text, "exists and is not a directory", fix)
     # PEFT writes an adapter not named "default" into DIR/NAME

@@ -247,7 +247,23 @@ def _totals_of(spans: list[Span]) -> dict[str, Any]:
         t.add(s.actor, s.name, s.start_s, s.end_s, link=s.link, bytes=s.nbytes)
     out = t.totals()
     out["moved"] = {k: v["bytes"] for k, v in out["copies"].items()}
+    # busy as the time covered by an actor's spans: another tool's nest (a profiler's
+    # call inside a call), where adding them up counted the inner ones' time again
+    by_actor: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_actor[s.actor].append(s)
+    out["busy_s"] = {a: _covered(ss) for a, ss in by_actor.items()}
     return out
+
+
+def _covered(spans: list[Span]) -> float:
+    """The time the union of the spans covers."""
+    total, end = 0.0, -math.inf
+    for s in sorted(spans, key=lambda s: s.start_s):
+        if s.end_s > end:
+            total += s.end_s - max(s.start_s, end)
+            end = s.end_s
+    return total
 
 
 def _summarize_totals(totals: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +302,8 @@ def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as bad:
-        cut = bad.pos >= len(text.rstrip())  # the text ended before the JSON did
+        # the text ended before the JSON did (inside a string: where that string began)
+        cut = bad.pos >= len(text.rstrip()) or bad.msg.startswith("Unterminated string")
         raise ValueError(("a trace cut short (its JSON ends early: a copy interrupted, a disk that "
                           "filled); " if cut else f"not JSON ({bad}); ") + _NOT_SNAKES) from None
     if isinstance(data, list):  # Chrome's other form: the events alone
@@ -318,6 +335,9 @@ def load_trace(path: str | Path) -> tuple[list[Span], dict[str, Any]]:
     other = data.get("otherData", {})
     if not isinstance(other, dict):
         raise ValueError(f"otherData must be an object; {_NOT_SNAKES}")
+    if not out and not any(k.startswith("snake_") for k in other):  # nothing snake reads: not a summary of 0 s
+        phases = sorted({str(e.get("ph")) for e in data["traceEvents"] if e.get("ph") != "M"})
+        raise ValueError(f"no complete spans (\"X\" events; this trace has {phases or 'none'}); {_NOT_SNAKES}")
     records: dict[str, Any] = {}
     if "snake_totals" in other:
         records["totals"] = _checked_totals(other["snake_totals"])
