@@ -365,9 +365,19 @@ def _print_summary(summary: dict, *, as_json: bool) -> None:
           "device skips for data already in CPU memory)")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("snake")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="snake", description="train LLMs bigger than GPU memory")
+    parser.add_argument("--version", action="version", version=f"snake {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
     sub.add_parser("plan", help="profile this machine and plan placement, alpha and micro-batches", add_help=False)

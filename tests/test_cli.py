@@ -267,3 +267,15 @@ def test_train_with_plan_lets_the_planner_pick_and_reports_what_it_picked(tmp_pa
     capsys.readouterr()
     assert main(["train", "--plan", "--micro-batches", "2", "--out", str(tmp_path / "o2"), *small]) == 2
     assert "--micro-batches" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+
+
+def test_python_m_snake_and_version():
+    """`python -m snake` is the `snake` command; `--version` says the installed version."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "snake", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"snake {version('snake')}", out
+    bad = subprocess.run([sys.executable, "-m", "snake", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
