@@ -221,7 +221,8 @@ def test_snake_plan_json_on_a_disk_is_a_plan_the_trainer_accepts(tmp_path):
     a trainer with the same budget, pass its memory check and train; its host_total_bytes is
     within the budget and is what the trainer's memory model says."""
     budget = 600 * MiB
-    d, cfg = _snake_plan(tmp_path / "off", budget)
+    # (at most 8 micro-batches: the search to 64 and a step of 63 took 14 s of the suite)
+    d, cfg = _snake_plan(tmp_path / "off", budget, "--max-micro-batches", "8")
     assert d["host_total_bytes"] <= budget
     shape = shape_of_parts(describe(GPT(cfg)), 2, 32, "float32")
     pl = d["placement"]

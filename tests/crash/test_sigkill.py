@@ -1,8 +1,9 @@
-"""Crash tests: SIGKILL the training process 20 times, at random moments and (every other
+"""Crash tests: SIGKILL the training process 12 times, at random moments and (every other
 kill) right after a `save` has created its temporary directory; each time resuming from the
 last checkpoint works, and the final weights equal those of an uninterrupted run, bit for
 bit. The kills are timed by the run's own progress (its "saved" lines), not by the clock, so
-that a fast machine does not finish the run before the twentieth kill."""
+that a fast machine does not finish the run before the last kill. (20 kills until round 44,
+which cut them to 12 for the suite's time: 35 s of its 1,100 s of work.)"""
 
 import os
 import queue
@@ -19,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 150  # 20 kills after 4 new steps each (5 where a kill lands after the next save) never reach the end
+KILLS = 12
+STEPS = 150  # 12 kills after 4 new steps each (5 where a kill lands after the next save) never reach the end
 
 
 def _start(tmp: Path, name: str) -> subprocess.Popen:
@@ -83,7 +85,7 @@ def _wait_for_save(tmp: Path, p: subprocess.Popen, stale: set[Path], timeout: fl
 
 
 @pytest.mark.slow
-def test_sigkill_20_times_then_resume_equals_uninterrupted(tmp_path):
+def test_sigkill_12_times_then_resume_equals_uninterrupted(tmp_path):
     ref = _start(tmp_path, "ref")
     out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, out
@@ -91,7 +93,7 @@ def test_sigkill_20_times_then_resume_equals_uninterrupted(tmp_path):
 
     rng = random.Random(1234)
     kills, resumed, mid_save = 0, 0, 0
-    while kills < 20:
+    while kills < KILLS:
         stale = _temporaries(tmp_path)  # left by an earlier kill, removed by the next save
         p = _start(tmp_path, "crash")
         output = _Output(p)
@@ -115,10 +117,10 @@ def test_sigkill_20_times_then_resume_equals_uninterrupted(tmp_path):
         resumed += "resumed at" in out
         mid_save += bool(_temporaries(tmp_path) - stale)  # this run's save left its temporary
         kills += 1
-    assert kills == 20
+    assert kills == KILLS
     print(f"{kills} kills, {mid_save} during a save, {resumed} restarts resumed")
-    assert mid_save >= 5, "the kills aimed at save() must land inside it"
-    assert resumed >= 10, "most restarts must have resumed from a checkpoint"
+    assert mid_save >= KILLS // 4, "the kills aimed at save() must land inside it"
+    assert resumed >= KILLS // 2, "most restarts must have resumed from a checkpoint"
     last = _start(tmp_path, "crash")
     out, _ = last.communicate(timeout=300)
     assert last.returncode == 0, out
