@@ -11,6 +11,7 @@ from snake.errors import (
     GradientOverflow,
     ModelError,
     SnakeError,
+    StallError,
     StorageError,
 )
 from snake.evaluate import EvalReport
@@ -33,6 +34,7 @@ __all__ = [
     "Placement",
     "SnakeConfig",
     "SnakeError",
+    "StallError",
     "StorageError",
     "tiny_cpu",
 ]
